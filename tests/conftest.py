@@ -1,0 +1,49 @@
+"""Test policy.
+
+- Unit tests of pure logic take ``now`` explicitly or run on trio's ``autojump_clock``; they open
+  no sockets and no SQLite files.
+- End-to-end tests run real servers on loopback port 0 (Hypercorn, real HTTP, real SQLite files
+  under ``tmp_path``) and bound every wait with ``trio.fail_after``.
+- Nothing here talks to anything but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from thunderproxy.config import load_settings
+from thunderproxy.runtime import RunningProxy, run
+
+
+@asynccontextmanager
+async def running_proxy(db: Path, **overrides: Any) -> AsyncIterator[RunningProxy]:
+    """A proxy on 127.0.0.1:0; on exit it is shut down cleanly and its audit log flushed."""
+    settings = load_settings({"host": "127.0.0.1", "port": 0, "db": str(db), **overrides})
+    async with trio.open_nursery() as nursery:
+        proxy: RunningProxy = await nursery.start(partial(run, settings))
+        try:
+            yield proxy
+        finally:
+            proxy.shutdown.set()
+
+
+def query(db: Path, sql: str, *params: Any) -> list[dict[str, Any]]:
+    conn = sqlite3.connect(db)
+    conn.row_factory = sqlite3.Row
+    try:
+        return [dict(row) for row in conn.execute(sql, params)]
+    finally:
+        conn.close()
+
+
+async def wait_for(predicate: Any, *, timeout: float = 5.0, interval: float = 0.01) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(interval)

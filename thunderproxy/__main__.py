@@ -1,0 +1,3 @@
+from thunderproxy.cli import main
+
+main()

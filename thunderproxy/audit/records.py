@@ -1,0 +1,110 @@
+"""Rows of the audit log. Times inside records are trio clock readings; the writer turns them
+into Unix seconds with the run's WallClock, so producers never touch the wall clock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Protocol
+
+from ..programs import Transition
+
+ToUnix = Callable[[float], float]
+
+
+class AuditRecord(Protocol):
+    table: ClassVar[str]
+
+    def row(self, to_unix: ToUnix) -> dict[str, Any]: ...
+
+
+def _unix(to_unix: ToUnix, value: float | None) -> float | None:
+    return None if value is None else to_unix(value)
+
+
+@dataclass(frozen=True)
+class TransitionRecord:
+    table: ClassVar[str] = "transitions"
+    transition: Transition
+
+    def row(self, to_unix: ToUnix) -> dict[str, Any]:
+        t = self.transition
+        return {
+            "at": to_unix(t.at),
+            "program_id": t.program_id,
+            "from_status": None if t.from_status is None else t.from_status.value,
+            "to_status": t.to_status.value,
+            "reason": t.reason,
+            "backend": t.backend,
+            "step": t.step,
+        }
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One proxied LLM call, whatever its outcome."""
+
+    table: ClassVar[str] = "steps"
+    request_id: str
+    program_id: str
+    step: int
+    backend: str | None
+    endpoint: str
+    model: str | None
+    stream: bool
+    arrived_at: float
+    sent_at: float | None
+    first_token_at: float | None
+    finished_at: float
+    tool_s: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    status: int
+    error: str | None = None
+
+    @property
+    def queue_s(self) -> float:
+        return (self.sent_at if self.sent_at is not None else self.finished_at) - self.arrived_at
+
+    def row(self, to_unix: ToUnix) -> dict[str, Any]:
+        first, sent = self.first_token_at, self.sent_at
+        row = asdict(self)
+        row.update(
+            stream=int(self.stream),
+            arrived_at=to_unix(self.arrived_at),
+            sent_at=_unix(to_unix, sent),
+            first_token_at=_unix(to_unix, first),
+            finished_at=to_unix(self.finished_at),
+            queue_s=self.queue_s,
+            ttft_s=None if first is None else first - self.arrived_at,
+            prefill_s=None if first is None or sent is None else first - sent,
+            decode_s=None if first is None else self.finished_at - first,
+            total_s=self.finished_at - self.arrived_at,
+        )
+        return row
+
+
+@dataclass(frozen=True)
+class BackendSample:
+    """One metrics poll of one backend."""
+
+    table: ClassVar[str] = "backend_samples"
+    at: float
+    backend: str
+    healthy: bool
+    capacity_tokens: int | None
+    kv_usage: float | None
+    running: int | None
+    waiting: int | None
+    prefix_queries_total: float | None
+    prefix_hits_total: float | None
+    preemptions_total: float | None
+    programs: int
+    active_tokens: int
+    error: str | None = None
+
+    def row(self, to_unix: ToUnix) -> dict[str, Any]:
+        row = asdict(self)
+        row.update(at=to_unix(self.at), healthy=int(self.healthy))
+        return row

@@ -1,0 +1,189 @@
+"""The single SQLite writer: request handlers hand records to a bounded memory channel without
+waiting; one task batches them into the database from a worker thread.
+
+Nothing on the request path touches SQLite. A full channel drops the record (counted in
+``AuditLog.statistics()``) rather than slowing traffic; on a clean stop every accepted record
+is written before the writer returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+import trio
+
+from ..clock import WallClock
+from ..errors import AuditError
+from . import migrations
+from .records import AuditRecord
+
+#: Rows per INSERT batch, and how long the writer lingers to fill one.
+MAX_BATCH = 500
+MAX_LINGER_S = 0.05
+#: How long a stop may spend flushing records already accepted.
+FLUSH_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class AuditStatistics:
+    accepted: int
+    written: int
+    dropped: int
+    queued: int
+    batches: int
+
+
+class AuditLog:
+    """The producer side, handed out by :func:`serve_audit_writer` through ``task_status``."""
+
+    def __init__(self, send: trio.MemorySendChannel[AuditRecord], run_id: int) -> None:
+        self._send = send
+        self.run_id = run_id
+        self.accepted = 0
+        self.dropped = 0
+        self.written = 0
+        self.batches = 0
+
+    def record(self, record: AuditRecord) -> None:
+        """Queue one record; never blocks, never raises (a full or closed queue drops it)."""
+        try:
+            self._send.send_nowait(record)
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            self.dropped += 1
+        else:
+            self.accepted += 1
+
+    def statistics(self) -> AuditStatistics:
+        queued = self._send.statistics().current_buffer_used
+        return AuditStatistics(self.accepted, self.written, self.dropped, queued, self.batches)
+
+    async def aclose(self) -> None:
+        """No more records; the writer flushes what it has and returns."""
+        await self._send.aclose()
+
+
+def open_database(path: str) -> sqlite3.Connection:
+    """Open (creating it user-only readable) and migrate the audit db, in WAL mode."""
+    if path != ":memory:":
+        target = Path(path)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Created 0600: the log names programs and backends; it is nobody else's business.
+            os.close(os.open(target, os.O_CREAT | os.O_RDWR, 0o600))
+        except OSError as exc:
+            raise AuditError(
+                f"Cannot create the audit db {path!r}: {exc.strerror}; pass --db with a "
+                "writable path."
+            ) from exc
+    try:
+        # Successive to_thread calls may run on different worker threads; only the writer task
+        # ever uses this connection, so sharing it across threads is safe.
+        conn = sqlite3.connect(path, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=5000")
+        migrations.apply(conn)
+    except sqlite3.Error as exc:
+        raise AuditError(f"Cannot open the audit db {path!r}: {exc}") from exc
+    return conn
+
+
+def _insert_batch(db: sqlite_utils.Database, rows: Mapping[str, list[dict[str, Any]]]) -> None:
+    with db.conn:
+        for table, table_rows in rows.items():
+            db.table(table).insert_all(table_rows, batch_size=MAX_BATCH)
+
+
+async def serve_audit_writer(
+    path: str,
+    *,
+    run_info: Mapping[str, Any],
+    queue_size: int = 10_000,
+    task_status: trio.TaskStatus[AuditLog] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Own the audit db: migrate it, then write batches until the AuditLog is closed.
+
+    ``task_status.started(audit_log)`` is called once the schema is current and this run's row
+    exists, so producers can record from the first request on.
+    """
+    clock = WallClock()
+    conn = await trio.to_thread.run_sync(open_database, path)
+    db = sqlite_utils.Database(conn)
+
+    started_at = clock.unix(trio.current_time())
+
+    def start_run() -> int:
+        with conn:
+            cursor = conn.execute(
+                "INSERT INTO runs (started_at, version, router, backends, settings)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (
+                    started_at,
+                    str(run_info.get("version", "")),
+                    str(run_info.get("router", "")),
+                    ",".join(run_info.get("backends", ())),
+                    json.dumps(dict(run_info.get("settings", {})), default=str, sort_keys=True),
+                ),
+            )
+        assert cursor.lastrowid is not None
+        return cursor.lastrowid
+
+    run_id = await trio.to_thread.run_sync(start_run)
+    send, receive = trio.open_memory_channel[AuditRecord](queue_size)
+    audit = AuditLog(send, run_id)
+    pending: list[AuditRecord] = []
+
+    async def flush() -> None:
+        if not pending:
+            return
+        rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for record in pending:
+            row = record.row(clock.unix)
+            row["run_id"] = run_id
+            rows[record.table].append(row)
+        count = len(pending)
+        pending.clear()
+        await trio.to_thread.run_sync(_insert_batch, db, rows)
+        audit.written += count
+        audit.batches += 1
+
+    try:
+        task_status.started(audit)
+        async for record in receive:
+            pending.append(record)
+            with trio.move_on_after(MAX_LINGER_S):
+                while len(pending) < MAX_BATCH:
+                    pending.append(await receive.receive())
+            # An accepted batch is written even if the run is being cancelled meanwhile.
+            with trio.CancelScope(shield=True):
+                await flush()
+    except trio.EndOfChannel:
+        pass
+    finally:
+        with trio.move_on_after(FLUSH_GRACE_S) as scope:
+            scope.shield = True
+            while True:
+                try:
+                    pending.append(receive.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+            receive.close()
+            await flush()
+            stopped_at = clock.unix(trio.current_time())
+
+            def finish_run() -> None:
+                with conn:
+                    conn.execute(
+                        "UPDATE runs SET stopped_at = ? WHERE id = ?", (stopped_at, run_id)
+                    )
+                conn.close()
+
+            await trio.to_thread.run_sync(finish_run)

@@ -1,0 +1,183 @@
+"""Settings: one declarative table feeds the frozen ``Settings``, the CLI flags, their
+``THUNDERPROXY_<NAME>`` environment variables and the settings table in the README."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import click
+
+from .errors import ConfigError
+
+ENV_PREFIX = "THUNDERPROXY_"
+SECONDS = 1.0
+BYTES = 1
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One tunable: its name (a ``Settings`` field), default, help text and, for text
+    settings with a fixed vocabulary, the allowed values."""
+
+    name: str
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    #: Boolean settings become ``--name/--no-name`` flag pairs.
+    secret: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def envvar(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "host", "127.0.0.1", "Interface to listen on; 0.0.0.0 exposes the proxy to the network."
+    ),
+    Setting("port", 8300, "TCP port to listen on."),
+    Setting(
+        "backends",
+        "",
+        "Comma-separated OpenAI-compatible backend base URLs (vLLM or SGLang). "
+        "Empty: start an embedded simulated vLLM.",
+    ),
+    Setting(
+        "router",
+        "default",
+        "Scheduling mode: 'tr' pauses and resumes whole programs to keep KV cache, "
+        "'default' only proxies.",
+        choices=("default", "tr"),
+    ),
+    Setting("profile", True, "Serve per-program timing profiles at /profiles and in /programs."),
+    Setting("metrics", True, "Poll each backend's /metrics for KV capacity and usage."),
+    Setting("metrics_interval", 5.0 * SECONDS, "Seconds between backend metrics polls."),
+    Setting("db", "thunderproxy.db", "SQLite file that receives every transition and step."),
+    Setting(
+        "shutdown_grace",
+        10.0 * SECONDS,
+        "Seconds in-flight requests may take to finish after SIGINT/SIGTERM.",
+    ),
+    Setting("connect_timeout", 10.0 * SECONDS, "Seconds to wait for a backend TCP connection."),
+    Setting(
+        "first_byte_timeout",
+        600.0 * SECONDS,
+        "Seconds a backend may take to start its response (prefill of a long prompt included).",
+    ),
+    Setting(
+        "read_timeout",
+        300.0 * SECONDS,
+        "Seconds a backend may stay silent in the middle of a response.",
+    ),
+    Setting(
+        "max_connections",
+        1024,
+        "Connections kept open to each backend; one shared pool per backend.",
+    ),
+    Setting("audit_queue", 10_000, "Audit rows buffered in memory before rows are dropped."),
+    Setting("log_level", "info", "Log verbosity.", choices=("debug", "info", "warning", "error")),
+)
+
+SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated configuration of one proxy run. Build with :func:`load_settings`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8300
+    backends: tuple[str, ...] = ()
+    router: str = "default"
+    profile: bool = True
+    metrics: bool = True
+    metrics_interval: float = 5.0
+    db: str = "thunderproxy.db"
+    shutdown_grace: float = 10.0
+    connect_timeout: float = 10.0
+    first_byte_timeout: float = 600.0
+    read_timeout: float = 300.0
+    max_connections: int = 1024
+    audit_queue: int = 10_000
+    log_level: str = "info"
+
+
+def _parse_backends(value: str | Iterable[str]) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    urls = []
+    for raw in items:
+        url = raw.strip().rstrip("/")
+        if not url:
+            continue
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"Backend {raw!r} is not an http(s) URL; pass e.g. --backends http://127.0.0.1:8000"
+            )
+        urls.append(url)
+    return tuple(urls)
+
+
+def load_settings(values: Mapping[str, Any] | None = None, **overrides: Any) -> Settings:
+    """Validate raw values (from flags, env or code) into :class:`Settings`."""
+    raw: dict[str, Any] = {**(values or {}), **overrides}
+    known = {f.name for f in dataclasses.fields(Settings)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(
+            f"Unknown setting(s) {', '.join(unknown)}; see `thunderproxy serve --help`."
+        )
+    if "backends" in raw:
+        raw["backends"] = _parse_backends(raw["backends"])
+    for setting in SETTINGS:
+        value = raw.get(setting.name)
+        if value is None:
+            continue
+        if setting.choices and value not in setting.choices:
+            raise ConfigError(
+                f"{setting.flag} {value!r} is not one of: {', '.join(setting.choices)}."
+            )
+        numeric = isinstance(setting.default, (int, float)) and not isinstance(
+            setting.default, bool
+        )
+        if numeric and value < 0:
+            raise ConfigError(f"{setting.flag} must be >= 0, got {value!r}.")
+    if raw.get("metrics_interval", 1.0) <= 0:
+        raise ConfigError("--metrics-interval must be > 0 seconds.")
+    return Settings(**{k: v for k, v in raw.items() if v is not None})
+
+
+def settings_options(settings: Iterable[Setting] = SETTINGS) -> Callable[[F], F]:
+    """Decorate a click command with one option per setting, each also read from its env var."""
+
+    def decorate(fn: F) -> F:
+        for setting in reversed(tuple(settings)):
+            kwargs: dict[str, Any] = {
+                "default": setting.default,
+                "help": setting.help,
+                "envvar": setting.envvar,
+                "show_envvar": True,
+                "show_default": not setting.secret,
+            }
+            if isinstance(setting.default, bool):
+                decls = [f"{setting.flag}/--no-{setting.flag[2:]}", setting.name]
+            else:
+                decls = [setting.flag, setting.name]
+                if setting.choices:
+                    kwargs["type"] = click.Choice(setting.choices)
+                elif isinstance(setting.default, float):
+                    kwargs["type"] = float
+                elif isinstance(setting.default, int):
+                    kwargs["type"] = int
+            fn = click.option(*decls, **kwargs)(fn)
+        return fn
+
+    return decorate

@@ -1,0 +1,1 @@
+"""The HTTP edge: routes translate requests into scheduler calls and relay backend responses."""

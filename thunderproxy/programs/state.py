@@ -1,0 +1,171 @@
+"""The program state machine (seed 000), pure: every function takes ``now`` and returns the
+transition it made, so the registry can log it and tests can drive it without a clock.
+
+    (new) -> REASONING -> ACTING -> REASONING -> ... -> STOPPED
+                 ^           |
+                 +- PAUSED <-+     (tr mode only: paused while acting, resumed before its next call)
+
+A program may have several requests in flight (the catch-all ``default`` program usually does):
+it is REASONING while any is, and becomes ACTING when the last one ends, whatever its outcome.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ProgramStatus(StrEnum):
+    REASONING = "reasoning"
+    ACTING = "acting"
+    PAUSED = "paused"
+    STOPPED = "stopped"
+
+    @property
+    def lifecycle(self) -> str:
+        """The seed API's ``state`` field: active, paused or terminated."""
+        if self is ProgramStatus.PAUSED:
+            return "paused"
+        if self is ProgramStatus.STOPPED:
+            return "terminated"
+        return "active"
+
+
+@dataclass(frozen=True)
+class StepUsage:
+    """Token counts of one finished LLM call, as the backend reported them (None: not reported)."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.prompt_tokens is not None
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One state change, as it goes to the ``transitions`` table."""
+
+    program_id: str
+    from_status: ProgramStatus | None
+    to_status: ProgramStatus
+    reason: str
+    backend: str | None
+    step: int
+    at: float
+
+
+@dataclass
+class Program:
+    """Everything the proxy knows about one program. Times are trio clock readings."""
+
+    program_id: str
+    created_at: float
+    status: ProgramStatus = ProgramStatus.REASONING
+    backend: str | None = None
+    step_count: int = 0
+    #: Characters of the last request's messages (the seed API's estimate of context size).
+    context_len: int = 0
+    #: KV footprint in tokens: the last step's prompt + completion as the backend reported them,
+    #: or a characters/4 estimate until the first usage arrives.
+    total_tokens: int = 0
+    tool_finished: bool = False
+    acting_since: float | None = None
+    last_activity: float = 0.0
+    in_flight: int = 0
+    marked_for_pause: bool = False
+    #: Tool (acting) time that preceded the step now running, for the step's audit row.
+    last_tool_s: float | None = None
+    prompt_tokens_total: int = 0
+    completion_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    usage_missing_steps: int = 0
+
+    def _move(self, to: ProgramStatus, reason: str, now: float) -> Transition:
+        transition = Transition(
+            program_id=self.program_id,
+            from_status=self.status,
+            to_status=to,
+            reason=reason,
+            backend=self.backend,
+            step=self.step_count,
+            at=now,
+        )
+        self.status = to
+        return transition
+
+
+def create(program_id: str, now: float) -> tuple[Program, Transition]:
+    """A program seen for the first time; it starts REASONING (its first call is arriving)."""
+    program = Program(program_id=program_id, created_at=now, last_activity=now)
+    first = Transition(program_id, None, ProgramStatus.REASONING, "first request", None, 0, now)
+    return program, first
+
+
+def begin_step(
+    program: Program, now: float, *, context_chars: int, arrived_at: float | None = None
+) -> list[Transition]:
+    """A new LLM call of this program is about to be sent (after any pause it waited through).
+
+    ``arrived_at`` is when the call reached the proxy; tool time ends there, not after a pause.
+    """
+    transitions = []
+    if program.status is ProgramStatus.ACTING:
+        program.tool_finished = True
+        tool_end = now if arrived_at is None else arrived_at
+        since = program.acting_since
+        program.last_tool_s = None if since is None else max(0.0, tool_end - since)
+        transitions.append(program._move(ProgramStatus.REASONING, "tool finished", now))
+    elif program.status is ProgramStatus.PAUSED:
+        raise ValueError(f"program {program.program_id!r} is paused; resume it before a step")
+    elif program.status is ProgramStatus.STOPPED:
+        raise ValueError(f"program {program.program_id!r} is stopped")
+    else:
+        program.last_tool_s = None
+    program.in_flight += 1
+    program.step_count += 1
+    program.acting_since = None
+    program.last_activity = now
+    program.context_len = context_chars
+    if program.usage_missing_steps == program.step_count - 1 and not program.prompt_tokens_total:
+        # Nothing reported yet: a rough 4-characters-per-token estimate beats zero for placement.
+        program.total_tokens = context_chars // 4
+    return transitions
+
+
+def end_step(program: Program, now: float, usage: StepUsage, *, reason: str) -> list[Transition]:
+    """One LLM call of this program ended, in any way: success, error or disconnect."""
+    program.in_flight = max(0, program.in_flight - 1)
+    program.last_activity = now
+    if usage.known:
+        assert usage.prompt_tokens is not None
+        completion = usage.completion_tokens or 0
+        program.total_tokens = usage.prompt_tokens + completion
+        program.prompt_tokens_total += usage.prompt_tokens
+        program.completion_tokens_total += completion
+        program.cached_tokens_total += usage.cached_tokens or 0
+    else:
+        program.usage_missing_steps += 1
+    if program.in_flight or program.status is not ProgramStatus.REASONING:
+        return []
+    program.acting_since = now
+    program.tool_finished = False
+    return [program._move(ProgramStatus.ACTING, reason, now)]
+
+
+def pause(program: Program, now: float, *, reason: str) -> Transition:
+    program.marked_for_pause = False
+    return program._move(ProgramStatus.PAUSED, reason, now)
+
+
+def resume(program: Program, now: float, *, backend: str | None, reason: str) -> Transition:
+    program.backend = backend
+    return program._move(ProgramStatus.ACTING, reason, now)
+
+
+def stop(program: Program, now: float, *, reason: str) -> Transition:
+    program.in_flight = 0
+    program.last_activity = now
+    return program._move(ProgramStatus.STOPPED, reason, now)

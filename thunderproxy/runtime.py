@@ -1,0 +1,211 @@
+"""``run``: the one nursery that owns every long-lived task of a proxy run.
+
+Start order: (embedded simulator) -> audit writer -> metrics poller -> resume monitor -> HTTP.
+Each reports readiness through ``task_status.started()``, so the port opens only once the audit
+log is migrated and the backends have been polled once.
+
+Stop order, on SIGINT/SIGTERM or ``shutdown.set()``: Hypercorn stops accepting and drains
+in-flight requests for up to ``shutdown_grace`` seconds; then the pollers are cancelled, the audit
+channel is closed, and the writer flushes every accepted row before the nursery exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+
+from . import __version__
+from .audit import AuditLog, serve_audit_writer
+from .audit.records import TransitionRecord
+from .backends import open_backend_pool
+from .backends.poller import serve_metrics_poller
+from .clock import WallClock
+from .config import Settings
+from .http.app import Services, create_app
+from .programs import ProgramRegistry
+from .programs.profile import Profiles
+from .scheduling import Scheduler
+from .scheduling.scheduler import serve_resume_monitor
+
+log = logging.getLogger("thunderproxy")
+
+#: How often the resume monitor runs the scheduler's periodic work (seed: 5 s).
+RESUME_MONITOR_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True)
+class RunningProxy:
+    """Handed to ``task_status.started()``: where the proxy listens and its live services."""
+
+    url: str
+    services: Services
+    audit: AuditLog
+    shutdown: trio.Event
+
+
+def hypercorn_config(settings: Settings) -> HypercornConfig:
+    config = HypercornConfig()
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    config.bind = [f"{host}:{settings.port}"]
+    config.graceful_timeout = settings.shutdown_grace
+    config.accesslog = None
+    config.errorlog = logging.getLogger("thunderproxy.http")
+    config.keep_alive_timeout = 75.0
+    return config
+
+
+class Background:
+    """The services that stop when the HTTP server has drained (pollers, monitor, simulator)."""
+
+    def __init__(self) -> None:
+        self._scopes: list[trio.CancelScope] = []
+        self.cancelled = False
+
+    def scope(self) -> trio.CancelScope:
+        scope = trio.CancelScope()
+        if self.cancelled:
+            scope.cancel()
+        self._scopes.append(scope)
+        return scope
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        for scope in self._scopes:
+            scope.cancel()
+
+
+async def _in_scope(
+    background: Background,
+    service: Callable[..., Awaitable[Any]],
+    *,
+    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with background.scope():
+        await service(task_status=task_status)
+
+
+async def _stop_on_signals(
+    shutdown: trio.Event, force: trio.CancelScope, background: Background
+) -> None:
+    with background.scope(), trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if not shutdown.is_set():
+                log.info(
+                    "%s: draining in-flight requests, then stopping", signal.Signals(signum).name
+                )
+                shutdown.set()
+            else:
+                log.warning("second signal: stopping now without waiting for requests")
+                force.cancel()
+                return
+
+
+async def _embedded_simulator(nursery: trio.Nursery, background: Background) -> str:
+    from .sim import SimConfig, serve_simulator
+
+    url: str = await nursery.start(
+        _in_scope, background, partial(serve_simulator, SimConfig(), host="127.0.0.1", port=0)
+    )
+    log.warning(
+        "No --backends given: started an embedded SIMULATED vLLM at %s (no GPU, no model). "
+        "Pass --backends URL to proxy a real server.",
+        url,
+    )
+    return url
+
+
+async def run(
+    settings: Settings,
+    *,
+    shutdown: trio.Event | None = None,
+    handle_signals: bool = False,
+    task_status: trio.TaskStatus[RunningProxy] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the proxy until ``shutdown`` is set (or a signal arrives, with ``handle_signals``)."""
+    shutdown = shutdown or trio.Event()
+    background = Background()
+    clock = WallClock()
+    pool_ctx = open_backend_pool(
+        settings.backends,
+        connect_timeout=settings.connect_timeout,
+        max_connections=settings.max_connections,
+    )
+    with trio.CancelScope() as force:
+        async with pool_ctx as pool, trio.open_nursery() as nursery:
+            if not settings.backends:
+                pool.add(await _embedded_simulator(nursery, background))
+            run_info = {
+                "version": __version__,
+                "router": settings.router,
+                "backends": pool.urls,
+                "settings": asdict(settings),
+            }
+            audit: AuditLog = await nursery.start(
+                partial(
+                    serve_audit_writer,
+                    settings.db,
+                    run_info=run_info,
+                    queue_size=settings.audit_queue,
+                )
+            )
+            registry = ProgramRegistry(lambda t: audit.record(TransitionRecord(t)))
+            profiles = Profiles()
+            scheduler = Scheduler(
+                mode=settings.router,
+                registry=registry,
+                pool=pool,
+                audit=audit,
+                profiles=profiles,
+            )
+            await nursery.start(
+                _in_scope,
+                background,
+                partial(
+                    serve_metrics_poller,
+                    pool,
+                    registry,
+                    audit,
+                    interval=settings.metrics_interval,
+                    metrics=settings.metrics,
+                ),
+            )
+            await nursery.start(
+                _in_scope,
+                background,
+                partial(serve_resume_monitor, scheduler, interval=RESUME_MONITOR_INTERVAL_S),
+            )
+            services = Services(
+                settings=settings, scheduler=scheduler, pool=pool, profiles=profiles, clock=clock
+            )
+            if handle_signals:
+                nursery.start_soon(_stop_on_signals, shutdown, force, background)
+
+            async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+                await serve(
+                    create_app(services),  # type: ignore[arg-type]
+                    hypercorn_config(settings),
+                    shutdown_trigger=shutdown.wait,  # type: ignore[arg-type]
+                    task_status=task_status,
+                )
+                # Requests are drained: stop the pollers, then let the writer flush.
+                background.cancel()
+                await audit.aclose()
+
+            binds: list[str] = await nursery.start(serve_http)
+            log.info(
+                "thunderproxy %s listening on %s (router=%s, backends=%s, db=%s)",
+                __version__,
+                binds[0],
+                settings.router,
+                ",".join(pool.urls),
+                settings.db,
+            )
+            task_status.started(RunningProxy(binds[0], services, audit, shutdown))
