@@ -199,9 +199,11 @@ async def test_profiles(client: httpx.AsyncClient) -> None:
 
 
 async def test_profiles_disabled_answers_400(backend: FakeBackend, tmp_path: Path) -> None:
-    async with running_proxy(tmp_path / "a.db", backends=backend.url, profile=False) as proxy:
-        async with httpx.AsyncClient(base_url=proxy.url) as client:
-            r = await client.get("/profiles")
+    async with (
+        running_proxy(tmp_path / "a.db", backends=backend.url, profile=False) as proxy,
+        httpx.AsyncClient(base_url=proxy.url) as client,
+    ):
+        r = await client.get("/profiles")
     assert r.status_code == 400
     assert "--profile" in r.json()["error"]["message"]
 
@@ -244,10 +246,12 @@ async def test_unreachable_backend_gives_openai_json_error(tmp_path: Path) -> No
         await sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     dead = f"http://127.0.0.1:{port}"
-    async with running_proxy(tmp_path / "a.db", backends=dead, metrics_interval=60) as proxy:
-        async with httpx.AsyncClient(base_url=proxy.url) as client:
-            health = (await client.get("/health")).json()
-            r = await client.post("/v1/chat/completions", json={**CHAT, "program_id": "x"})
+    async with (
+        running_proxy(tmp_path / "a.db", backends=dead, metrics_interval=60) as proxy,
+        httpx.AsyncClient(base_url=proxy.url) as client,
+    ):
+        health = (await client.get("/health")).json()
+        r = await client.post("/v1/chat/completions", json={**CHAT, "program_id": "x"})
     assert health["healthy_backends"] == []
     assert r.status_code == 503
     error = r.json()["error"]
@@ -313,19 +317,21 @@ async def test_client_disconnect_before_first_byte_cancels_upstream(
 async def test_clean_shutdown_writes_every_audit_row(backend: FakeBackend, tmp_path: Path) -> None:
     db = tmp_path / "audit.db"
     n_programs, n_steps = 20, 3
-    async with running_proxy(db, backends=backend.url) as proxy:
-        async with httpx.AsyncClient(base_url=proxy.url) as client:
+    async with (
+        running_proxy(db, backends=backend.url) as proxy,
+        httpx.AsyncClient(base_url=proxy.url) as client,
+    ):
 
-            async def agent(i: int) -> None:
-                for _ in range(n_steps):
-                    body = {**CHAT, "program_id": f"p{i}", "stream": i % 2 == 0}
-                    r = await client.post("/v1/chat/completions", json=body)
-                    assert r.status_code == 200
+        async def agent(i: int) -> None:
+            for _ in range(n_steps):
+                body = {**CHAT, "program_id": f"p{i}", "stream": i % 2 == 0}
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200
 
-            async with trio.open_nursery() as nursery:
-                for i in range(n_programs):
-                    nursery.start_soon(agent, i)
-            await client.post("/programs/release", json={"program_id": "p0"})
+        async with trio.open_nursery() as nursery:
+            for i in range(n_programs):
+                nursery.start_soon(agent, i)
+        await client.post("/programs/release", json={"program_id": "p0"})
     steps = query(db, "select count(*) as n, count(prompt_tokens) as with_usage from steps")
     assert steps == [{"n": n_programs * n_steps, "with_usage": n_programs * n_steps}]
     # first request, then per step: reasoning->acting, and acting->reasoning before steps 2..n

@@ -69,20 +69,30 @@ class StepRecord:
 
     def row(self, to_unix: ToUnix) -> dict[str, Any]:
         first, sent = self.first_token_at, self.sent_at
-        row = asdict(self)
-        row.update(
-            stream=int(self.stream),
-            arrived_at=to_unix(self.arrived_at),
-            sent_at=_unix(to_unix, sent),
-            first_token_at=_unix(to_unix, first),
-            finished_at=to_unix(self.finished_at),
-            queue_s=self.queue_s,
-            ttft_s=None if first is None else first - self.arrived_at,
-            prefill_s=None if first is None or sent is None else first - sent,
-            decode_s=None if first is None else self.finished_at - first,
-            total_s=self.finished_at - self.arrived_at,
-        )
-        return row
+        return {
+            "request_id": self.request_id,
+            "program_id": self.program_id,
+            "step": self.step,
+            "backend": self.backend,
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "stream": int(self.stream),
+            "arrived_at": to_unix(self.arrived_at),
+            "sent_at": _unix(to_unix, sent),
+            "first_token_at": _unix(to_unix, first),
+            "finished_at": to_unix(self.finished_at),
+            "queue_s": self.queue_s,
+            "ttft_s": None if first is None else first - self.arrived_at,
+            "prefill_s": None if first is None or sent is None else first - sent,
+            "decode_s": None if first is None else self.finished_at - first,
+            "total_s": self.finished_at - self.arrived_at,
+            "tool_s": self.tool_s,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "status": self.status,
+            "error": self.error,
+        }
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,133 @@
+"""The proxy as its users run it: a separate process (``python -m thunderproxy`` or the zipapp on
+a bare interpreter), the official OpenAI client, SIGTERM, and the audit rows left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+import trio
+
+from tests.conftest import query
+from tests.fakebackend import FakeBackend, serve_fake_backend
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
+LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
+
+
+@pytest.fixture(scope="session")
+def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    subprocess.run([sys.executable, "zipapp.py"], cwd=ROOT, check=True, capture_output=True)
+    return ROOT / "dist" / "thunderproxy.pyz"
+
+
+def command(kind: str, pyz: Path | None) -> list[str]:
+    if kind == "module":
+        return [sys.executable, "-m", "thunderproxy"]
+    assert pyz is not None
+    # -S: no site-packages at all, so everything must come from the archive itself.
+    return [BASE_PYTHON, "-S", str(pyz)]
+
+
+async def start_serving(argv: list[str], env: dict[str, str]) -> tuple[trio.Process, str, list[bytes]]:
+    process = await trio.lowlevel.open_process(
+        argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, cwd=ROOT
+    )
+    assert process.stderr is not None
+    output: list[bytes] = []
+    with trio.fail_after(30):
+        while True:
+            chunk = await process.stderr.receive_some()
+            if not chunk:
+                raise AssertionError(b"".join(output).decode())
+            output.append(chunk)
+            match = LISTENING.search(b"".join(output))
+            if match:
+                return process, match.group(1).decode(), output
+
+
+def openai_calls(base_url: str) -> list[str]:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    texts = []
+    for step in range(2):
+        reply = client.chat.completions.create(
+            model="fake",
+            messages=[{"role": "user", "content": f"step {step}"}],
+            extra_body={"program_id": "openai-agent"},
+        )
+        texts.append(reply.choices[0].message.content or "")
+    stream = client.chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": "stream"}],
+        stream=True,
+        extra_body={"program_id": "openai-agent"},
+    )
+    texts.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+    return texts
+
+
+@pytest.mark.parametrize("kind", ["module", "pyz"])
+async def test_served_process_speaks_to_the_openai_client_and_stops_cleanly_on_sigterm(
+    kind: str, request: pytest.FixtureRequest, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    pyz = request.getfixturevalue("pyz") if kind == "pyz" else None
+    backend = FakeBackend()
+    await nursery.start(serve_fake_backend, backend)
+    db = tmp_path / "audit.db"
+    env = {**os.environ, "THUNDERPROXY_PYZ_CACHE": str(tmp_path / "cache")}
+    argv = [*command(kind, pyz), "serve", "--port", "0", "--backends", backend.url, "--db", str(db)]
+    process, url, output = await start_serving(argv, env)
+    try:
+        texts = await trio.to_thread.run_sync(openai_calls, url)
+        assert texts[0].startswith("w w")
+        assert texts[2] == "w0 w1 w2 w3 w4 "
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(20):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+    rows = query(db, "select program_id, step, status, prompt_tokens, stream from steps order by step")
+    assert rows == [
+        {"program_id": "openai-agent", "step": 1, "status": 200, "prompt_tokens": 10, "stream": 0},
+        {"program_id": "openai-agent", "step": 2, "status": 200, "prompt_tokens": 10, "stream": 0},
+        {"program_id": "openai-agent", "step": 3, "status": 200, "prompt_tokens": 10, "stream": 1},
+    ]
+    assert all("program_id" not in body for body in backend.received)
+    assert (db.stat().st_mode & 0o777) == 0o600
+
+
+async def test_sigterm_drains_a_stream_in_flight(nursery: trio.Nursery, tmp_path: Path) -> None:
+    import httpx
+
+    backend = FakeBackend()
+    await nursery.start(serve_fake_backend, backend)
+    db = tmp_path / "audit.db"
+    argv = [*command("module", None), "serve", "--port", "0", "--backends", backend.url]
+    process, url, _ = await start_serving([*argv, "--db", str(db)], dict(os.environ))
+    try:
+        body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        headers = {"x-fake-delay": "0.2", "x-fake-words": "5", "X-Program-Id": "drain"}
+        chunks = []
+        async with (
+            httpx.AsyncClient(base_url=url) as client,
+            client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r,
+        ):
+            async for chunk in r.aiter_text():
+                if not chunks:
+                    process.send_signal(signal.SIGTERM)
+                chunks.append(chunk)
+        with trio.fail_after(20):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert "".join(chunks).endswith("data: [DONE]\n\n")
+    assert query(db, "select status from steps") == [{"status": 200}]
