@@ -1,0 +1,285 @@
+"""Every simulator knob in one frozen dataclass, plus the named timing profiles.
+
+The CLI (`sim/cli.py`) builds its options from the field metadata below, so a knob added
+here shows up as `--flag` and `THUNDERPROXY_SIM_<NAME>` without further wiring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPAT_VERSIONS = ("current", "0.8", "0.9", "0.10", "0.11")
+PERSONALITIES = ("vllm", "sglang")
+FAULT_TYPES = ("500", "503", "stream", "hang", "slow")
+
+# The vLLM version each compat level pretends to be (what /version and system_fingerprint say).
+COMPAT_VERSION_STRING = {
+    "current": "0.33.0",
+    "0.8": "0.8.5",
+    "0.9": "0.9.2",
+    "0.10": "0.10.2",
+    "0.11": "0.11.0",
+}
+
+
+@dataclass(frozen=True)
+class TimingProfile:
+    """Constants of the step-time formula (vllm-contract.md §5) plus the KV size they imply."""
+
+    name: str
+    t_fixed_ms: float
+    t_w_ms: float
+    c_tok_us: float
+    n0: int
+    c_kv_ns: float
+    c_attn_ns: float
+    num_gpu_blocks: int
+    block_size: int = 16
+    description: str = ""
+
+
+PROFILES: dict[str, TimingProfile] = {
+    p.name: p
+    for p in (
+        TimingProfile(
+            "h100-8b",
+            0.8,
+            5.7,
+            24.0,
+            128,
+            50.0,
+            1.3,
+            27_000,
+            description="Llama-3.1-8B BF16 on one H100 (432K KV tokens)",
+        ),
+        TimingProfile(
+            "h100x2-32b",
+            1.0,
+            15.0,
+            55.0,
+            128,
+            50.0,
+            1.6,
+            19_375,
+            description="Qwen2.5-32B BF16, TP2 on H100 (310K KV tokens)",
+        ),
+        TimingProfile(
+            "h100x4-70b",
+            1.0,
+            20.0,
+            58.0,
+            128,
+            31.0,
+            1.6,
+            28_125,
+            description="Llama-3.1-70B BF16, TP4 on H100 (450K KV tokens)",
+        ),
+        TimingProfile(
+            "h100x8-70b",
+            1.0,
+            13.0,
+            33.0,
+            128,
+            16.0,
+            0.8,
+            81_250,
+            description="Llama-3.1-70B BF16, TP8 on H100 (1.3M KV tokens)",
+        ),
+        # Fitted by `python -m thunderproxy.sim.calibrate` to the ThunderAgent SWE-agent runs
+        # (GLM-4.5-FP8 on vLLM, 1/4/32 agents); see docs/SIMULATOR.md for the fit.
+        TimingProfile(
+            "glm45-swe",
+            4.0,
+            16.0,
+            60.0,
+            128,
+            60.0,
+            1.2,
+            40_000,
+            description="fitted to ../shared/traces/thunderagent_* (GLM-4.5-FP8, bs1/bs4/bs32)",
+        ),
+    )
+}
+
+
+def _knob(default: Any, help: str, *, group: str, flag: str | None = None, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, "flag": flag, **extra})
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """All settings of one simulated backend. Build with keywords; every field has a default."""
+
+    # identity
+    served_model_name: str = _knob(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "Model name served and used in metric labels.",
+        group="identity",
+    )
+    compat: str = _knob(
+        "current",
+        "vLLM version family to imitate: current (0.12+), 0.8, 0.9, 0.10, 0.11.",
+        group="identity",
+        choices=COMPAT_VERSIONS,
+    )
+    personality: str = _knob(
+        "vllm", "Which server to imitate: vllm or sglang.", group="identity", choices=PERSONALITIES
+    )
+    # engine
+    max_model_len: int = _knob(32_768, "Context length in tokens.", group="engine")
+    block_size: int | None = _knob(
+        None, "Tokens per KV block (default: the profile's, 16).", group="engine"
+    )
+    num_gpu_blocks: int | None = _knob(
+        None,
+        "KV blocks in the pool, the null block included (default: the profile's).",
+        group="engine",
+    )
+    kv_capacity_tokens: int | None = _knob(
+        None, "KV capacity in tokens; sets num_gpu_blocks = this // block_size.", group="engine"
+    )
+    gpu_memory_utilization: float = _knob(
+        0.92, "Reported in vllm:cache_config_info only.", group="engine"
+    )
+    max_num_seqs: int = _knob(1024, "Most requests in the running batch.", group="engine")
+    max_num_batched_tokens: int = _knob(8192, "Token budget of one engine step.", group="engine")
+    long_prefill_token_threshold: int = _knob(
+        0, "Cap on prefill tokens one request may take per step (0: no cap).", group="engine"
+    )
+    scheduling_policy: str = _knob(
+        "fcfs",
+        "fcfs or priority (lower priority value runs first).",
+        group="engine",
+        choices=("fcfs", "priority"),
+    )
+    enable_prefix_caching: bool = _knob(
+        True, "Automatic prefix caching.", group="engine", negatable=True
+    )
+    max_num_queued_reqs: int | None = _knob(
+        None, "Reject with 503 when this many requests already wait.", group="engine"
+    )
+    max_num_queued_tokens: int | None = _knob(
+        None, "Reject with 503 when waiting prompts hold this many tokens.", group="engine"
+    )
+    # http
+    enable_prompt_tokens_details: bool = _knob(
+        False, "Report usage.prompt_tokens_details.cached_tokens.", group="http"
+    )
+    enable_cache_report: bool = _knob(
+        False, "SGLang's name for --enable-prompt-tokens-details.", group="http"
+    )
+    enable_force_include_usage: bool = _knob(
+        False, "Send the usage chunk on every stream.", group="http"
+    )
+    enable_request_id_headers: bool = _knob(False, "Echo X-Request-Id in responses.", group="http")
+    api_key: str | None = _knob(None, "Require this bearer token on /v1/*.", group="http")
+    dev_mode: bool = _knob(
+        False, "Serve /reset_prefix_cache, /sleep, /wake_up, /is_sleeping.", group="http"
+    )
+    # timing
+    profile: str = _knob(
+        "h100-8b",
+        "Timing profile: " + ", ".join(PROFILES) + ".",
+        group="timing",
+        choices=tuple(PROFILES),
+    )
+    t_fixed_ms: float | None = _knob(None, "Fixed cost per step (ms).", group="timing")
+    t_w_ms: float | None = _knob(None, "Weight-read floor per step (ms).", group="timing")
+    c_tok_us: float | None = _knob(None, "Compute cost per token above n0 (µs).", group="timing")
+    n0: int | None = _knob(
+        None, "Tokens a step takes before it becomes compute-bound.", group="timing"
+    )
+    c_kv_ns: float | None = _knob(None, "Decode KV read per context token (ns).", group="timing")
+    c_attn_ns: float | None = _knob(None, "Prefill attention per token pair (ns).", group="timing")
+    time_scale: float = _knob(
+        1.0, "Wall seconds per simulated second (0.1 runs ten times faster).", group="timing"
+    )
+    jitter: float = _knob(
+        0.0, "Relative step-time noise; a step takes t*(1+U(-j,j)).", group="timing"
+    )
+    stream_flush_ms: float = _knob(
+        -1.0,
+        "Least wall ms between two writes of one stream (-1: auto from time scale).",
+        group="timing",
+    )
+    # text
+    seed: int = _knob(0, "Seed for generated text, lengths and faults.", group="text")
+    chars_per_token: int = _knob(4, "Long words split every this many characters.", group="text")
+    vocab_size: int = _knob(
+        128_256, "Token ids are stable hashes modulo this.", group="text", flag="--vocab"
+    )
+    output_len_dist: str = _knob(
+        "lognormal:150:0.8",
+        "Output length when not fixed: lognormal:MEDIAN:SIGMA, uniform:LO:HI or fixed:N.",
+        group="text",
+    )
+    # faults
+    fail_rate: float = _knob(0.0, "Fraction of requests that fail.", group="faults")
+    fail_types: str = _knob(
+        "500,503,stream",
+        "Comma list drawn from for failures: 500,503,stream,hang,slow.",
+        group="faults",
+    )
+    slow_seconds: float = _knob(
+        5.0, "Delay (simulated s) before a 'slow' fault starts the request.", group="faults"
+    )
+
+    def __post_init__(self) -> None:
+        if self.compat not in COMPAT_VERSIONS:
+            raise ValueError(f"compat {self.compat!r} is not one of {COMPAT_VERSIONS}")
+        if self.personality not in PERSONALITIES:
+            raise ValueError(f"personality {self.personality!r} is not one of {PERSONALITIES}")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile {self.profile!r} is not one of {tuple(PROFILES)}")
+        if self.time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        for kind in self.fault_types():
+            if kind not in FAULT_TYPES:
+                raise ValueError(f"fail type {kind!r} is not one of {FAULT_TYPES}")
+        if self.resolved_num_gpu_blocks() < 2:
+            raise ValueError("the KV pool needs at least 2 blocks (one is the null block)")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+    # Resolved views: the profile supplies whatever was left as None.
+    @property
+    def timing(self) -> TimingProfile:
+        base = PROFILES[self.profile]
+        overrides = {
+            name: getattr(self, name)
+            for name in ("t_fixed_ms", "t_w_ms", "c_tok_us", "n0", "c_kv_ns", "c_attn_ns")
+            if getattr(self, name) is not None
+        }
+        return dataclasses.replace(base, **overrides) if overrides else base
+
+    def resolved_block_size(self) -> int:
+        return self.block_size if self.block_size is not None else PROFILES[self.profile].block_size
+
+    def resolved_num_gpu_blocks(self) -> int:
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        if self.kv_capacity_tokens is not None:
+            return self.kv_capacity_tokens // self.resolved_block_size()
+        return PROFILES[self.profile].num_gpu_blocks
+
+    def fault_types(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.fail_types.split(",") if t.strip())
+
+    def cache_report(self) -> bool:
+        return self.enable_prompt_tokens_details or self.enable_cache_report
+
+    def version(self) -> str:
+        return COMPAT_VERSION_STRING[self.compat]
+
+    def flush_interval(self) -> float:
+        """Wall seconds a stream waits between writes, so fast time scales batch chunks."""
+        if self.stream_flush_ms >= 0:
+            return self.stream_flush_ms / 1000.0
+        # At real time a step lasts >= ~6 ms, so this never merges steps; at 0.1x it
+        # merges a handful, which keeps 64 streams within two cores.
+        return 0.0 if self.time_scale >= 1.0 else 0.02 * self.time_scale
+
+    def replace(self, **changes: Any) -> SimConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,358 @@
+"""vLLM V1's scheduler, reduced to what shapes KV residency: continuous batching, chunked
+prefill under a token budget, prefix lookup on first schedule, recompute preemption.
+
+Pure logic driven by `schedule()` / `complete_step(plan, now)`; the engine owns time.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .blocks import BlockPool, KVBlock, block_hashes, salt_key
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+    # Produces the next (token id, text) pair the "model" samples.
+    sampler: Callable[[], tuple[int, str]]
+    # Output length at which the request stops with EOS; None: run to max_tokens.
+    stop_at: int | None = None
+    eos_token_id: int = -1
+    program: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: list[str] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    blocks: list[KVBlock] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the hash map
+    num_cached_tokens: int = -1  # prefix hit of the first schedule; -1 until then
+    num_preemptions: int = 0
+    max_computed: int = 0  # high-water mark, to count recomputation after preemption
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if stop <= prompt_len:
+            return self.prompt_token_ids[start:stop]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : stop - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
+
+    def ensure_hashes(self, n_blocks: int, block_size: int) -> None:
+        have = len(self.block_hashes)
+        if have >= n_blocks:
+            return
+        # Hash only the new blocks: slicing the whole history every decode step is too slow.
+        window = self.tokens(have * block_size, n_blocks * block_size)
+        if have:
+            self.block_hashes.extend(block_hashes(window, block_size, parent=self.block_hashes[-1]))
+        else:
+            self.block_hashes.extend(
+                block_hashes(window, block_size, salt=salt_key(self.cache_salt))
+            )
+
+
+@dataclass
+class Scheduled:
+    request: SimRequest
+    num_new: int
+    start: int  # position of the first scheduled token
+    is_decode: bool
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[Scheduled]
+    preempted: list[SimRequest]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+@dataclass
+class StepResult:
+    """One request's share of a finished step: what it sampled, if anything."""
+
+    request: SimRequest
+    token_id: int | None
+    text: str
+    finished: bool
+
+
+@dataclass
+class SchedulerStats:
+    prefix_queries: int = 0  # tokens, first schedule only
+    prefix_hits: int = 0
+    prefix_queries_blocks: int = 0  # the 0.8.x unit
+    prefix_hits_blocks: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
+    generation_tokens: int = 0
+    recomputed_prefill_tokens: int = 0
+    steps: int = 0
+    recomputed_by_program: Counter[str] = field(default_factory=Counter)
+    preemptions_by_program: Counter[str] = field(default_factory=Counter)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_prefill_token_threshold: int = 0,
+        policy: str = "fcfs",
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.policy = policy
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.stats = SchedulerStats()
+        self.preemption_log: deque[tuple[float, str]] = deque(maxlen=1000)
+
+    # --- queue management --------------------------------------------------------------
+    def add_request(self, request: SimRequest) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def waiting_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    def abort(self, request: SimRequest) -> None:
+        """Drop a request wherever it is; its full blocks stay cached."""
+        if request.status is Status.FINISHED:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._free(request)
+        request.status = Status.FINISHED
+        request.finish_reason = "abort"
+
+    # --- one engine step ---------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        scheduled: list[Scheduled] = []
+        preempted: list[SimRequest] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            num_new = self._cap(req, req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while not self._allocate(req, num_new, ()):
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                if victim_index < index:
+                    index -= 1
+                for item in scheduled:
+                    if item.request is victim:
+                        scheduled.remove(item)
+                        budget += item.num_new
+                        break
+                self._preempt(victim, now)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+            index += 1
+
+        # A step that had to preempt admits nobody: the pool is already too tight.
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self._peek_waiting()
+                hits = self._lookup(req)
+                computed = len(hits) * self.block_size
+                num_new = self._cap(req, req.num_tokens - computed, budget, computed=computed)
+                if num_new <= 0 or not self._allocate(req, num_new, hits):
+                    break
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = Status.RUNNING
+                if req.num_cached_tokens < 0:
+                    self._record_first_schedule(req, computed, now)
+                scheduled.append(self._scheduled(req, num_new))
+                budget -= num_new
+        return StepPlan(scheduled, preempted)
+
+    def complete_step(self, plan: StepPlan) -> list[StepResult]:
+        """Advance computed tokens, sample where a request has caught up, free finishers."""
+        self.stats.steps += 1
+        results = []
+        for item in plan.scheduled:
+            req = item.request
+            if req.status is not Status.RUNNING:  # aborted while the step ran
+                continue
+            before = req.num_computed_tokens
+            req.num_computed_tokens = after = before + item.num_new
+            if before < req.max_computed:
+                redone = min(after, req.max_computed) - before
+                self.stats.recomputed_prefill_tokens += redone
+                if req.program is not None:
+                    self.stats.recomputed_by_program[req.program] += redone
+            req.max_computed = max(req.max_computed, after)
+            if after < req.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            token_id, text = self._sample(req)
+            finished = self._check_stop(req)
+            if finished:
+                self.running.remove(req)
+                self._free(req)
+                req.status = Status.FINISHED
+            results.append(StepResult(req, token_id, text, finished))
+        return results
+
+    # --- helpers -----------------------------------------------------------------------
+    def _cap(self, req: SimRequest, wanted: int, budget: int, *, computed: int = -1) -> int:
+        if computed < 0:
+            computed = req.num_computed_tokens
+        threshold = self.long_prefill_token_threshold
+        if 0 < threshold < wanted:
+            wanted = threshold
+        # One slot stays free for the token this step samples.
+        return min(wanted, budget, self.max_model_len - computed - 1)
+
+    def _scheduled(self, req: SimRequest, num_new: int) -> Scheduled:
+        start = req.num_computed_tokens
+        is_decode = num_new == 1 and start >= req.num_prompt_tokens
+        return Scheduled(req, num_new, start, is_decode)
+
+    def _peek_waiting(self) -> SimRequest:
+        if self.policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return self.waiting[0]
+
+    def _pick_victim(self) -> SimRequest:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _lookup(self, req: SimRequest) -> list[KVBlock]:
+        if not self.pool.enable_caching:
+            return []
+        # Never a full hit: the last token must be computed to sample from it.
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        req.ensure_hashes(max_blocks, self.block_size)
+        return self.pool.find_prefix(req.block_hashes, max_blocks)
+
+    def _allocate(self, req: SimRequest, num_new: int, hits: Sequence[KVBlock]) -> bool:
+        bs = self.block_size
+        computed = req.num_computed_tokens + len(hits) * bs
+        needed = -(-(computed + num_new) // bs) - len(req.blocks) - len(hits)
+        # Hit blocks that sit in the free queue are about to leave it.
+        available = self.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
+        if needed > available:
+            return False
+        if hits:
+            self.pool.touch(hits, req.program)
+            req.blocks.extend(hits)
+            req.num_computed_tokens = computed
+            req.num_cached_blocks = len(hits)
+        if needed > 0:
+            req.blocks.extend(self.pool.get_new_blocks(needed, req.program))
+        # vLLM registers blocks as cached when they are scheduled, not when computed.
+        full = min(computed + num_new, req.num_tokens) // bs
+        if full > req.num_cached_blocks:
+            req.ensure_hashes(full, bs)
+            for i in range(req.num_cached_blocks, full):
+                self.pool.cache_block(req.blocks[i], req.block_hashes[i])
+            req.num_cached_blocks = full
+        return True
+
+    def _record_first_schedule(self, req: SimRequest, computed: int, now: float) -> None:
+        req.num_cached_tokens = computed
+        req.first_scheduled_time = now
+        if self.pool.enable_caching:
+            stats = self.stats
+            stats.prefix_queries += req.num_tokens
+            stats.prefix_hits += computed
+            stats.prefix_queries_blocks += req.num_tokens // self.block_size
+            stats.prefix_hits_blocks += computed // self.block_size
+
+    def _preempt(self, req: SimRequest, now: float) -> None:
+        self._free(req)
+        req.status = Status.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        if req.program is not None:
+            self.stats.preemptions_by_program[req.program] += 1
+        self.preemption_log.append((now, req.request_id))
+        self.waiting.appendleft(req)
+
+    def _free(self, req: SimRequest) -> None:
+        # Tail blocks first, so a request's shared prefix is the last of it to be evicted.
+        self.pool.free_blocks(reversed(req.blocks))
+        req.blocks = []
+
+    def _sample(self, req: SimRequest) -> tuple[int, str]:
+        n_out = len(req.output_token_ids) + 1
+        if req.stop_at is not None and n_out >= req.stop_at:
+            token_id, text = req.eos_token_id, ""
+        else:
+            token_id, text = req.sampler()
+        req.output_token_ids.append(token_id)
+        req.output_text.append(text)
+        if n_out == 1:
+            self.stats.prompt_tokens += req.num_prompt_tokens
+            self.stats.prompt_tokens_cached += max(req.num_cached_tokens, 0)
+        self.stats.generation_tokens += 1
+        return token_id, text
+
+    def _check_stop(self, req: SimRequest) -> bool:
+        n_out = len(req.output_token_ids)
+        if req.stop_at is not None and n_out >= req.stop_at:
+            req.finish_reason = "stop"
+        elif n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish_reason = "length"
+        else:
+            return False
+        return True

@@ -1,0 +1,107 @@
+"""Simulator-only ground truth for /_sim/state and /_sim/trace.
+
+None of this exists on a real vLLM; tests and benchmarks read it to check what the proxy
+cannot see (which program's prefix is still resident, what got evicted or recomputed).
+"""
+
+from __future__ import annotations
+
+from itertools import groupby, islice
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def state(engine: Engine, *, free_queue_sample: int = 16) -> dict[str, Any]:
+    pool = engine.pool
+    sched = engine.scheduler
+    stats = sched.stats
+    rec = engine.recorder
+    usable = pool.num_blocks - 1
+    queue = list(pool.free_queue)
+    # Runs of consecutive free blocks by owning program, head (evicted next) first.
+    runs = [
+        {"program": program, "blocks": len(list(group))}
+        for program, group in groupby(
+            b.program if b.block_hash is not None else None for b in queue
+        )
+    ]
+    programs: dict[str, dict[str, int]] = {}
+    for name, table in (
+        ("resident_blocks", pool.resident_by_program),
+        ("evicted_blocks", pool.evictions_by_program),
+        ("preemptions", stats.preemptions_by_program),
+        ("recomputed_tokens", stats.recomputed_by_program),
+    ):
+        for program, value in table.items():
+            programs.setdefault(program, {})[name] = value
+    return {
+        "time": engine.now(),
+        "dead": engine.dead,
+        "sleeping": engine.sleeping,
+        "blocks": {
+            "total": pool.num_blocks,
+            "block_size": engine.block_size,
+            "used": usable - pool.num_free,
+            "free": pool.num_free,
+            "cached_free": pool.num_cached_free,
+            "free_uncached": pool.num_free - pool.num_cached_free,
+            "cached_hashes": len(pool.cached),
+        },
+        "free_queue": {
+            "head": [_block(b) for b in islice(queue, free_queue_sample)],
+            "tail": [_block(b) for b in queue[-free_queue_sample:]],
+            "runs": runs[:200],
+        },
+        "running": [r.request_id for r in sched.running],
+        "waiting": [r.request_id for r in sched.waiting],
+        "requests": engine.request_states(),
+        "preemptions": [{"time": t, "request_id": rid} for t, rid in sched.preemption_log],
+        "programs": programs,
+        "counters": {
+            "evictions": pool.evictions,
+            "preemptions": stats.preemptions,
+            "prefix_queries": stats.prefix_queries,
+            "prefix_hits": stats.prefix_hits,
+            "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generation_tokens,
+            "recomputed_prefill_tokens": stats.recomputed_prefill_tokens,
+            "steps": stats.steps,
+        },
+        "clock": {
+            "time_scale": engine.config.time_scale,
+            "busy_sim_seconds": rec.busy_sim_seconds,
+            "busy_wall_seconds": rec.busy_wall_seconds,
+            "busy_nominal_wall_seconds": rec.busy_nominal_wall_seconds,
+            "lag_seconds": rec.lag_seconds,
+            "max_lag_seconds": rec.max_lag_seconds,
+        },
+    }
+
+
+def _block(block: Any) -> dict[str, Any]:
+    return {"id": block.block_id, "program": block.program, "cached": block.block_hash is not None}
+
+
+def trace(engine: Engine, last: int | None = None) -> list[dict[str, Any]]:
+    records = list(engine.trace)
+    if last is not None:
+        records = records[-last:] if last > 0 else []
+    out = []
+    for start, dt, n, batch, preempted, running, waiting in records:
+        out.append(
+            {
+                "start": start,
+                "t_step": dt,
+                "num_tokens": n,
+                "batch": [
+                    {"request_id": rid, "num_new": num_new, "start": pos, "decode": decode}
+                    for rid, num_new, pos, decode in batch
+                ],
+                "preempted": preempted,
+                "num_running": running,
+                "num_waiting": waiting,
+            }
+        )
+    return out
