@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import click
 
 from .errors import ConfigError
+from .scheduling.policy import PolicyConfig
 
 ENV_PREFIX = "THUNDERPROXY_"
 SECONDS = 1.0
@@ -84,6 +85,62 @@ SETTINGS: tuple[Setting, ...] = (
         "Connections kept open to each backend; one shared pool per backend.",
     ),
     Setting("audit_queue", 10_000, "Audit rows buffered in memory before rows are dropped."),
+    Setting(
+        "decode_buffer",
+        256,
+        "tr: tokens reserved for decoding per reasoning program (seed DECODE_BUFFER).",
+    ),
+    Setting(
+        "pause_cooldown",
+        5.0 * SECONDS,
+        "tr: seconds between two pause rounds on one backend (seed PAUSE_COOLDOWN).",
+    ),
+    Setting(
+        "resume_cooldown",
+        5.0 * SECONDS,
+        "tr: seconds between two resume rounds on one backend (seed RESUME_COOLDOWN).",
+    ),
+    Setting(
+        "tool_coefficient",
+        1.0,
+        "tr: weight of an acting program's tokens in the capacity model (seed TOOL_COEFFICIENT).",
+    ),
+    Setting(
+        "acting_half_life",
+        2.0 * SECONDS,
+        "tr: half-life of an acting program's tokens in the capacity model (0: no decay).",
+    ),
+    Setting(
+        "max_wait",
+        120.0 * SECONDS,
+        "tr: a paused program with a waiting request is resumed after this long, capacity "
+        "or not; at half of it, it reserves the next free capacity.",
+    ),
+    Setting(
+        "resume_protection",
+        30.0 * SECONDS,
+        "tr: seconds a force-resumed program is protected from being paused again.",
+    ),
+    Setting(
+        "idle_lease",
+        600.0 * SECONDS,
+        "Seconds without a request after which a program is retired (0: never).",
+    ),
+    Setting(
+        "target_fill",
+        0.95,
+        "tr: fraction of each backend's KV capacity the scheduler plans to fill.",
+    ),
+    Setting(
+        "monitor_interval",
+        1.0 * SECONDS,
+        "Seconds between runs of the resume monitor (resumes, forced resumes, idle leases).",
+    ),
+    Setting(
+        "restore",
+        True,
+        "Restore the program registry from the audit db at startup.",
+    ),
     Setting("log_level", "info", "Log verbosity.", choices=("debug", "info", "warning", "error")),
 )
 
@@ -108,7 +165,31 @@ class Settings:
     read_timeout: float = 300.0
     max_connections: int = 1024
     audit_queue: int = 10_000
+    decode_buffer: int = 256
+    pause_cooldown: float = 5.0
+    resume_cooldown: float = 5.0
+    tool_coefficient: float = 1.0
+    acting_half_life: float = 2.0
+    max_wait: float = 120.0
+    resume_protection: float = 30.0
+    idle_lease: float = 600.0
+    target_fill: float = 0.95
+    monitor_interval: float = 1.0
+    restore: bool = True
     log_level: str = "info"
+
+    def policy(self) -> PolicyConfig:
+        return PolicyConfig(
+            decode_buffer=self.decode_buffer,
+            pause_cooldown_s=self.pause_cooldown,
+            resume_cooldown_s=self.resume_cooldown,
+            tool_coefficient=self.tool_coefficient,
+            acting_half_life_s=self.acting_half_life,
+            max_wait_s=self.max_wait,
+            resume_protection_s=self.resume_protection,
+            idle_lease_s=self.idle_lease,
+            target_fill=self.target_fill,
+        )
 
 
 def _parse_backends(value: str | Iterable[str]) -> tuple[str, ...]:
@@ -150,8 +231,11 @@ def load_settings(values: Mapping[str, Any] | None = None, **overrides: Any) -> 
         )
         if numeric and value < 0:
             raise ConfigError(f"{setting.flag} must be >= 0, got {value!r}.")
-    if raw.get("metrics_interval", 1.0) <= 0:
-        raise ConfigError("--metrics-interval must be > 0 seconds.")
+    for name in ("metrics_interval", "monitor_interval"):
+        if raw.get(name, 1.0) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds.")
+    if not 0 < raw.get("target_fill", 0.95) <= 1:
+        raise ConfigError("--target-fill must be in (0, 1].")
     return Settings(**{k: v for k, v in raw.items() if v is not None})
 
 

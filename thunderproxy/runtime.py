@@ -30,15 +30,12 @@ from .backends.poller import serve_metrics_poller
 from .clock import WallClock
 from .config import Settings
 from .http.app import Services, create_app
-from .programs import ProgramRegistry
+from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
 from .scheduling import Scheduler
 from .scheduling.scheduler import serve_resume_monitor
 
 log = logging.getLogger("thunderproxy")
-
-#: How often the resume monitor runs the scheduler's periodic work (seed: 5 s).
-RESUME_MONITOR_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +119,17 @@ async def _embedded_simulator(nursery: trio.Nursery, background: Background) -> 
     return url
 
 
+async def _restore_programs(registry: ProgramRegistry, db: str, clock: WallClock) -> None:
+    found = await trio.to_thread.run_sync(restore.load, db)
+    now = trio.current_time()
+    wall_now = clock.unix(now)
+    for item in found:
+        program = restore.rebuild(item, now=now, wall_now=wall_now)
+        registry.adopt(program, previous=item.previous_status, reason="restored after restart")
+    if found:
+        log.info("restored %d programs from %s", len(found), db)
+
+
 async def run(
     settings: Settings,
     *,
@@ -157,6 +165,8 @@ async def run(
                 )
             )
             registry = ProgramRegistry(lambda t: audit.record(TransitionRecord(t)))
+            if settings.restore:
+                await _restore_programs(registry, settings.db, clock)
             profiles = Profiles()
             scheduler = Scheduler(
                 mode=settings.router,
@@ -164,6 +174,7 @@ async def run(
                 pool=pool,
                 audit=audit,
                 profiles=profiles,
+                config=settings.policy(),
             )
             await nursery.start(
                 _in_scope,
@@ -180,7 +191,7 @@ async def run(
             await nursery.start(
                 _in_scope,
                 background,
-                partial(serve_resume_monitor, scheduler, interval=RESUME_MONITOR_INTERVAL_S),
+                partial(serve_resume_monitor, scheduler, interval=settings.monitor_interval),
             )
             services = Services(
                 settings=settings, scheduler=scheduler, pool=pool, profiles=profiles, clock=clock

@@ -118,3 +118,28 @@ class BackendSample:
         row = asdict(self)
         row.update(at=to_unix(self.at), healthy=int(self.healthy))
         return row
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """One scheduling decision with the inputs it was made on (the ``decisions`` table)."""
+
+    table: ClassVar[str] = "decisions"
+    at: float
+    program_id: str
+    action: str
+    rule: str
+    backend: str | None
+    target_backend: str | None
+    capacity_tokens: int | None
+    used_tokens: int | None
+    program_tokens: int | None
+    idle_s: float | None
+    waited_s: float | None
+    queue_position: int | None
+    detail: str | None
+
+    def row(self, to_unix: ToUnix) -> dict[str, Any]:
+        row = asdict(self)
+        row["at"] = to_unix(self.at)
+        return row

@@ -299,9 +299,17 @@ class Proxy:
             body["stream_options"] = {**options, "include_usage": True}
         model = body.get("model") if isinstance(body.get("model"), str) else None
 
-        lease = await self.scheduler.begin_step(
-            program_id, arrived_at=arrived_at, context_chars=context_chars(body)
-        )
+        try:
+            lease = await self.scheduler.begin_step(
+                program_id, arrived_at=arrived_at, context_chars=context_chars(body)
+            )
+        except trio.Cancelled:
+            # Only waiting for a paused program can be cancelled here: the client left the
+            # queue, so the request is dropped for good and never sent later.
+            self.scheduler.record_cancelled_wait(
+                program_id, arrived_at=arrived_at, endpoint=endpoint, model=model, stream=stream
+            )
+            raise
         step = Step(self.scheduler, lease, endpoint=endpoint, model=model, stream=stream)
         on_request_end(step.abandon)
         headers = forward_headers(

@@ -65,19 +65,37 @@ class ProgramRegistry:
         for transition in transitions if isinstance(transitions, list) else [transitions]:
             self._sink(transition)
 
-    def get_or_create(self, program_id: str, now: float) -> tuple[Program, bool]:
+    def get_or_create(
+        self,
+        program_id: str,
+        now: float,
+        *,
+        status: ProgramStatus = ProgramStatus.REASONING,
+        reason: str = "first request",
+    ) -> tuple[Program, bool]:
         """The program with this id, created (and logged) on first sight."""
         program = self._programs.get(program_id)
         if program is not None:
             return program, False
-        program, first = state.create(program_id, now)
+        program, first = state.create(program_id, now, status=status, reason=reason)
         self._programs[program_id] = program
         self._emit(first)
         return program, True
 
-    def adopt(self, program: Program) -> None:
-        """Track a program restored from the audit log after a restart (no transition logged)."""
+    def adopt(self, program: Program, *, previous: ProgramStatus, reason: str) -> None:
+        """Track a program restored from the audit log after a restart."""
         self._programs[program.program_id] = program
+        self._emit(
+            Transition(
+                program.program_id,
+                previous,
+                program.status,
+                reason,
+                program.backend,
+                program.step_count,
+                program.last_activity,
+            )
+        )
 
     def assign(self, program: Program, backend: str) -> None:
         program.backend = backend

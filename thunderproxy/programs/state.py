@@ -82,6 +82,13 @@ class Program:
     completion_tokens_total: int = 0
     cached_tokens_total: int = 0
     usage_missing_steps: int = 0
+    #: Learned from the backend's usage; turns a new request's characters into a token estimate.
+    chars_per_token: float = 4.0
+    #: Scheduling (tr): since when the program is paused, and since when a request of it waits.
+    paused_since: float | None = None
+    waiting_since: float | None = None
+    #: After a forced resume the program may not be paused again before this time.
+    protected_until: float = 0.0
 
     def _move(self, to: ProgramStatus, reason: str, now: float) -> Transition:
         transition = Transition(
@@ -97,11 +104,19 @@ class Program:
         return transition
 
 
-def create(program_id: str, now: float) -> tuple[Program, Transition]:
-    """A program seen for the first time; it starts REASONING (its first call is arriving)."""
-    program = Program(program_id=program_id, created_at=now, last_activity=now)
-    first = Transition(program_id, None, ProgramStatus.REASONING, "first request", None, 0, now)
-    return program, first
+def create(
+    program_id: str,
+    now: float,
+    *,
+    status: ProgramStatus = ProgramStatus.REASONING,
+    reason: str = "first request",
+) -> tuple[Program, Transition]:
+    """A program seen for the first time: REASONING (its first call is going out) or, when the
+    scheduler queues it at admission, PAUSED."""
+    program = Program(program_id=program_id, created_at=now, last_activity=now, status=status)
+    if status is ProgramStatus.PAUSED:
+        program.paused_since = now
+    return program, Transition(program_id, None, status, reason, None, 0, now)
 
 
 def begin_step(
@@ -129,9 +144,9 @@ def begin_step(
     program.acting_since = None
     program.last_activity = now
     program.context_len = context_chars
-    if program.usage_missing_steps == program.step_count - 1 and not program.prompt_tokens_total:
-        # Nothing reported yet: a rough 4-characters-per-token estimate beats zero for placement.
-        program.total_tokens = context_chars // 4
+    # The new prompt holds the whole context so far plus the tool's output: estimate its tokens
+    # from its characters until the backend reports the real count at the end of the step.
+    program.total_tokens = max(program.total_tokens, int(context_chars / program.chars_per_token))
     return transitions
 
 
@@ -146,6 +161,8 @@ def end_step(program: Program, now: float, usage: StepUsage, *, reason: str) -> 
         program.prompt_tokens_total += usage.prompt_tokens
         program.completion_tokens_total += completion
         program.cached_tokens_total += usage.cached_tokens or 0
+        if program.context_len and usage.prompt_tokens:
+            program.chars_per_token = max(0.5, program.context_len / usage.prompt_tokens)
     else:
         program.usage_missing_steps += 1
     if program.in_flight or program.status is not ProgramStatus.REASONING:
@@ -157,11 +174,14 @@ def end_step(program: Program, now: float, usage: StepUsage, *, reason: str) -> 
 
 def pause(program: Program, now: float, *, reason: str) -> Transition:
     program.marked_for_pause = False
+    program.paused_since = now
     return program._move(ProgramStatus.PAUSED, reason, now)
 
 
 def resume(program: Program, now: float, *, backend: str | None, reason: str) -> Transition:
+    """Back from PAUSED to ACTING (its tool may still run); its next call may then go out."""
     program.backend = backend
+    program.paused_since = None
     return program._move(ProgramStatus.ACTING, reason, now)
 
 

@@ -1,0 +1,350 @@
+"""The tr capacity policy, pure: it takes snapshots of programs and backends plus ``now`` and
+returns decisions; ``scheduler.py`` applies them. Nothing here reads a clock or does I/O.
+
+The model (seed 000, with its known defects fixed; docs/SCHEDULING.md has the full story):
+
+    used(backend) = Σ REASONING (tokens + decode_buffer)            marked programs credited
+                  + Σ ACTING   tokens · tool_coefficient · 2^(-idle / half_life)
+                  − (active − 1) · shared_prefix_tokens              cross-program prefix credit
+    fits when used ≤ capacity_tokens · capacity_factor · target_fill
+
+Over capacity, ACTING programs are paused, the longest idle first (their cache is the coldest
+and their return the least imminent); if that is not enough, REASONING programs are marked and
+paused when their call ends, the youngest program first. Paused programs whose request waits are
+resumed oldest wait first, on the backend where they fit (migrating if theirs is full); a
+program that has waited ``max_wait_s`` is resumed regardless and protected from re-pausing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from ..programs import ProgramStatus
+
+
+class Action(StrEnum):
+    ADMIT = "admit"
+    QUEUE = "queue"
+    PAUSE = "pause"
+    MARK = "mark"
+    RESUME = "resume"
+    MIGRATE = "migrate"
+    FORCE_RESUME = "force_resume"
+    RETIRE = "retire"
+    CANCEL = "cancel"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The policy's constants; each is a ``serve`` setting (see config.py for the help texts)."""
+
+    decode_buffer: int = 256
+    pause_cooldown_s: float = 5.0
+    resume_cooldown_s: float = 5.0
+    tool_coefficient: float = 1.0
+    acting_half_life_s: float = 2.0
+    max_wait_s: float = 120.0
+    resume_protection_s: float = 30.0
+    idle_lease_s: float = 600.0
+    target_fill: float = 0.95
+
+
+@dataclass(frozen=True)
+class ProgramView:
+    program_id: str
+    status: ProgramStatus
+    backend: str | None
+    tokens: int
+    created_at: float
+    acting_since: float | None = None
+    paused_since: float | None = None
+    #: When the request that waits for this program arrived (None: no request waits).
+    waiting_since: float | None = None
+    marked: bool = False
+    protected_until: float = 0.0
+    last_activity: float = 0.0
+    in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class BackendView:
+    url: str
+    healthy: bool
+    #: None while the backend's metrics have never shown a KV capacity: not scheduled.
+    capacity_tokens: int | None
+    shared_prefix_tokens: int = 0
+    #: Shrinks when the engine preempts (the model was optimistic), recovers when it stops.
+    capacity_factor: float = 1.0
+    last_pause_at: float | None = None
+    last_resume_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    program_id: str
+    rule: str
+    backend: str | None
+    target_backend: str | None = None
+    capacity_tokens: int | None = None
+    used_tokens: int | None = None
+    program_tokens: int | None = None
+    idle_s: float | None = None
+    waited_s: float | None = None
+    queue_position: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def decay(idle_s: float, half_life_s: float) -> float:
+    if half_life_s <= 0:
+        return 1.0
+    return math.pow(2.0, -max(0.0, idle_s) / half_life_s)
+
+
+def weight(p: ProgramView, cfg: PolicyConfig, now: float) -> int:
+    """The program's expected claim on KV tokens right now."""
+    if p.status is ProgramStatus.REASONING:
+        return p.tokens + cfg.decode_buffer
+    if p.status is ProgramStatus.ACTING:
+        idle = 0.0 if p.acting_since is None else now - p.acting_since
+        return int(p.tokens * cfg.tool_coefficient * decay(idle, cfg.acting_half_life_s))
+    return 0
+
+
+def limit(b: BackendView, cfg: PolicyConfig) -> int | None:
+    if b.capacity_tokens is None:
+        return None
+    return int(b.capacity_tokens * b.capacity_factor * cfg.target_fill)
+
+
+def used_tokens(
+    b: BackendView, programs: Iterable[ProgramView], cfg: PolicyConfig, now: float
+) -> int:
+    """Projected KV use of a backend; marked programs are credited (they leave at their next
+    step end), and every active program past the first shares the common prefix."""
+    total = 0
+    active = 0
+    for p in programs:
+        if p.backend != b.url or p.marked:
+            continue
+        w = weight(p, cfg, now)
+        if p.status in (ProgramStatus.REASONING, ProgramStatus.ACTING):
+            active += 1
+            total += w
+    return max(0, total - max(0, active - 1) * b.shared_prefix_tokens)
+
+
+def _decision(
+    action: Action,
+    p: ProgramView,
+    rule: str,
+    b: BackendView | None,
+    cfg: PolicyConfig,
+    now: float,
+    used: int | None,
+    **extra: Any,
+) -> Decision:
+    idle = None if p.acting_since is None else round(now - p.acting_since, 6)
+    since = p.waiting_since if p.waiting_since is not None else p.paused_since
+    return Decision(
+        action=action,
+        program_id=p.program_id,
+        rule=rule,
+        backend=p.backend if b is None else b.url,
+        capacity_tokens=None if b is None else limit(b, cfg),
+        used_tokens=used,
+        program_tokens=p.tokens,
+        idle_s=idle,
+        waited_s=None if since is None else round(now - since, 6),
+        **extra,
+    )
+
+
+def admit(
+    p: ProgramView,
+    b: BackendView,
+    programs: Sequence[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+) -> Decision:
+    """May a new program's first call go out now on backend ``b``, or must it queue?"""
+    cap = limit(b, cfg)
+    used = used_tokens(b, programs, cfg, now)
+    if cap is None:
+        return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, used)
+    waiting = [q for q in programs if q.waiting_since is not None and q.program_id != p.program_id]
+    if waiting:
+        # Fairness: newcomers do not overtake programs already waiting for capacity.
+        return _decision(
+            Action.QUEUE, p, "programs_waiting", b, cfg, now, used, queue_position=len(waiting)
+        )
+    need = p.tokens + cfg.decode_buffer - (b.shared_prefix_tokens if used else 0)
+    if used + need > cap:
+        return _decision(Action.QUEUE, p, "capacity_full", b, cfg, now, used, queue_position=0)
+    return _decision(Action.ADMIT, p, "fits", b, cfg, now, used)
+
+
+def enforce(
+    b: BackendView, programs: Sequence[ProgramView], cfg: PolicyConfig, now: float
+) -> list[Decision]:
+    """Pause or mark programs on ``b`` until its projected use fits its capacity."""
+    cap = limit(b, cfg)
+    if cap is None or not b.healthy:
+        return []
+    if b.last_pause_at is not None and now - b.last_pause_at < cfg.pause_cooldown_s:
+        return []
+    mine = [p for p in programs if p.backend == b.url]
+    used = used_tokens(b, mine, cfg, now)
+    if used <= cap:
+        return []
+    decisions: list[Decision] = []
+    movable = [p for p in mine if not p.marked and p.protected_until <= now]
+    acting = sorted(
+        (p for p in movable if p.status is ProgramStatus.ACTING and p.in_flight == 0),
+        key=lambda p: (p.acting_since or now, -p.tokens),
+    )
+    for p in acting:
+        credit = weight(p, cfg, now)
+        if credit <= 0:
+            continue
+        decisions.append(_decision(Action.PAUSE, p, "over_capacity", b, cfg, now, used))
+        used -= credit
+        if used <= cap:
+            return decisions
+    reasoning = sorted(
+        (p for p in movable if p.status is ProgramStatus.REASONING),
+        key=lambda p: -p.created_at,
+    )
+    for p in reasoning:
+        decisions.append(_decision(Action.MARK, p, "over_capacity", b, cfg, now, used))
+        used -= weight(p, cfg, now)
+        if used <= cap:
+            break
+    return decisions
+
+
+def _fits(
+    p: ProgramView,
+    b: BackendView,
+    extra: dict[str, int],
+    programs: Sequence[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+) -> tuple[bool, int]:
+    cap = limit(b, cfg)
+    used = used_tokens(b, programs, cfg, now) + extra.get(b.url, 0)
+    if cap is None:
+        return True, used
+    need = p.tokens + cfg.decode_buffer - (b.shared_prefix_tokens if used else 0)
+    return used + need <= cap, used
+
+
+def resume(
+    backends: Sequence[BackendView],
+    programs: Sequence[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+) -> list[Decision]:
+    """Which paused programs go back, and where.
+
+    Waiting programs first, the longest wait first. The head of the queue that has waited half
+    of ``max_wait_s`` reserves the next freed capacity (no one behind it may pass); at
+    ``max_wait_s`` it is resumed regardless of capacity. Paused programs whose tool still runs
+    are resumed only into room left over.
+    """
+    healthy = [b for b in backends if b.healthy]
+    if not healthy:
+        return []
+    ready = {
+        b.url
+        for b in healthy
+        if b.last_resume_at is None or now - b.last_resume_at >= cfg.resume_cooldown_s
+    }
+    paused = [p for p in programs if p.status is ProgramStatus.PAUSED]
+    waiting = sorted(
+        (p for p in paused if p.waiting_since is not None), key=lambda p: p.waiting_since or 0.0
+    )
+    idle = sorted(
+        (p for p in paused if p.waiting_since is None), key=lambda p: p.paused_since or 0.0
+    )
+    added: dict[str, int] = {}
+    decisions: list[Decision] = []
+    blocked = False
+    for position, p in enumerate([*waiting, *idle]):
+        waited = now - (p.waiting_since if p.waiting_since is not None else p.paused_since or now)
+        own = next((b for b in healthy if b.url == p.backend), None)
+        if p.waiting_since is not None and waited >= cfg.max_wait_s:
+            target = own or min(healthy, key=lambda b: used_tokens(b, programs, cfg, now))
+            used = used_tokens(target, programs, cfg, now) + added.get(target.url, 0)
+            decisions.append(
+                _decision(
+                    Action.FORCE_RESUME,
+                    p,
+                    "max_wait",
+                    target,
+                    cfg,
+                    now,
+                    used,
+                    target_backend=target.url,
+                    queue_position=position,
+                )
+            )
+            added[target.url] = added.get(target.url, 0) + p.tokens + cfg.decode_buffer
+            continue
+        if blocked:
+            continue
+        candidates = ([own] if own else []) + sorted(
+            (b for b in healthy if b is not own),
+            key=lambda b: used_tokens(b, programs, cfg, now) + added.get(b.url, 0),
+        )
+        placed = False
+        for b in candidates:
+            if b.url not in ready:
+                continue
+            ok, used = _fits(p, b, added, programs, cfg, now)
+            if not ok:
+                continue
+            if b is own or p.backend is None:
+                action, rule = Action.RESUME, "capacity_free"
+            elif own is None:
+                action, rule = Action.MIGRATE, "backend_unhealthy"
+            else:
+                action, rule = Action.MIGRATE, "own_backend_full"
+            decisions.append(
+                _decision(
+                    action,
+                    p,
+                    rule,
+                    b,
+                    cfg,
+                    now,
+                    used,
+                    target_backend=b.url,
+                    queue_position=position,
+                )
+            )
+            added[b.url] = added.get(b.url, 0) + p.tokens + cfg.decode_buffer
+            placed = True
+            break
+        if not placed and p.waiting_since is not None and waited >= cfg.max_wait_s / 2:
+            blocked = True  # aging: the head reserves the next free capacity
+    return decisions
+
+
+def retire(programs: Sequence[ProgramView], cfg: PolicyConfig, now: float) -> list[Decision]:
+    """Programs idle past the lease are retired, so never-released programs stop counting."""
+    if cfg.idle_lease_s <= 0:
+        return []
+    return [
+        _decision(Action.RETIRE, p, "idle_lease", None, cfg, now, None)
+        for p in programs
+        if p.status in (ProgramStatus.ACTING, ProgramStatus.PAUSED)
+        and p.in_flight == 0
+        and p.waiting_since is None
+        and now - p.last_activity >= cfg.idle_lease_s
+    ]
