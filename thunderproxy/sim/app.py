@@ -104,6 +104,7 @@ class SimApp:
         self.engine = engine
         self.stopping = trio.Event()
         self.in_flight = 0
+        self._idle = trio.Event()
         cfg = engine.config
         self._faults = random.Random(f"fault:{cfg.seed}")
         self._ids = random.Random(f"response-ids:{cfg.seed}")
@@ -144,6 +145,12 @@ class SimApp:
                     }
                 )
         self.routes = routes
+
+    async def wait_idle(self) -> None:
+        """Return once no generation request is in flight."""
+        while self.in_flight:
+            self._idle = trio.Event()
+            await self._idle.wait()
 
     @property
     def config(self) -> SimConfig:
@@ -369,6 +376,8 @@ class SimApp:
                 nursery.cancel_scope.cancel()
         finally:
             self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
             if not handle.finished:
                 engine.abort(handle.request_id)  # client disconnect = abort, as in vLLM
 

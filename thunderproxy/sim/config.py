@@ -35,73 +35,46 @@ class TimingProfile:
     n0: int
     c_kv_ns: float
     c_attn_ns: float
-    num_gpu_blocks: int
+    kv_capacity_tokens: int
     block_size: int = 16
     description: str = ""
+
+
+def _profile(
+    name: str,
+    t_fixed_ms: float,
+    t_w_ms: float,
+    c_tok_us: float,
+    n0: int,
+    c_kv_ns: float,
+    c_attn_ns: float,
+    kv_capacity_tokens: int,
+    description: str,
+) -> TimingProfile:
+    return TimingProfile(
+        name, t_fixed_ms, t_w_ms, c_tok_us, n0, c_kv_ns, c_attn_ns, kv_capacity_tokens,
+        description=description,
+    )  # fmt: skip
 
 
 PROFILES: dict[str, TimingProfile] = {
     p.name: p
     for p in (
-        TimingProfile(
-            "h100-8b",
-            0.8,
-            5.7,
-            24.0,
-            128,
-            50.0,
-            1.3,
-            27_000,
-            description="Llama-3.1-8B BF16 on one H100 (432K KV tokens)",
-        ),
-        TimingProfile(
-            "h100x2-32b",
-            1.0,
-            15.0,
-            55.0,
-            128,
-            50.0,
-            1.6,
-            19_375,
-            description="Qwen2.5-32B BF16, TP2 on H100 (310K KV tokens)",
-        ),
-        TimingProfile(
-            "h100x4-70b",
-            1.0,
-            20.0,
-            58.0,
-            128,
-            31.0,
-            1.6,
-            28_125,
-            description="Llama-3.1-70B BF16, TP4 on H100 (450K KV tokens)",
-        ),
-        TimingProfile(
-            "h100x8-70b",
-            1.0,
-            13.0,
-            33.0,
-            128,
-            16.0,
-            0.8,
-            81_250,
-            description="Llama-3.1-70B BF16, TP8 on H100 (1.3M KV tokens)",
-        ),
-        # Fitted by `python -m thunderproxy.sim.calibrate` to the ThunderAgent SWE-agent runs
-        # (GLM-4.5-FP8 on vLLM, 1/4/32 agents); see docs/SIMULATOR.md for the fit.
-        TimingProfile(
-            "glm45-swe",
-            4.0,
-            16.0,
-            60.0,
-            128,
-            60.0,
-            1.2,
-            40_000,
-            description="fitted to ../shared/traces/thunderagent_* (GLM-4.5-FP8, bs1/bs4/bs32)",
-        ),
+        # name          t_fixed  t_w  c_tok  n0   c_kv  c_attn  KV tokens
+        _profile("h100-8b",    0.8,  5.7, 24.0, 128, 50.0, 1.3,   432_000,
+                 "Llama-3.1-8B BF16 on one H100"),
+        _profile("h100x2-32b", 1.0, 15.0, 55.0, 128, 50.0, 1.6,   310_000,
+                 "Qwen2.5-32B BF16, TP2 on H100"),
+        _profile("h100x4-70b", 1.0, 20.0, 58.0, 128, 31.0, 1.6,   450_000,
+                 "Llama-3.1-70B BF16, TP4 on H100"),
+        _profile("h100x8-70b", 1.0, 13.0, 33.0, 128, 16.0, 0.8, 1_300_000,
+                 "Llama-3.1-70B BF16, TP8 on H100"),
+        # Fitted by `python -m thunderproxy.sim.calibrate` to the ThunderAgent SWE-agent
+        # runs (GLM-4.5-FP8 on vLLM at 1/4/32 agents); docs/SIMULATOR.md has the fit.
+        _profile("glm45-swe",  4.0, 16.0, 60.0, 128, 60.0, 1.2,   640_000,
+                 "fitted to ../shared/traces/thunderagent_* (GLM-4.5-FP8)"),
     )
-}
+}  # fmt: skip
 
 
 def _knob(default: Any, help: str, *, group: str, flag: str | None = None, **extra: Any) -> Any:
@@ -260,9 +233,11 @@ class SimConfig:
     def resolved_num_gpu_blocks(self) -> int:
         if self.num_gpu_blocks is not None:
             return self.num_gpu_blocks
-        if self.kv_capacity_tokens is not None:
-            return self.kv_capacity_tokens // self.resolved_block_size()
-        return PROFILES[self.profile].num_gpu_blocks
+        tokens = self.kv_capacity_tokens
+        if tokens is None:
+            tokens = PROFILES[self.profile].kv_capacity_tokens
+        # Like vLLM, capacity is num_gpu_blocks * block_size, the null block included.
+        return tokens // self.resolved_block_size()
 
     def fault_types(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.fail_types.split(",") if t.strip())

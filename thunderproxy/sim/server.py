@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, cast
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -60,7 +61,9 @@ async def open_simulator(
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         urls = await nursery.start(
-            partial(serve, app, _hypercorn_config(host, port), shutdown_trigger=shutdown.wait)
+            partial(
+                serve, cast(Any, app), _hypercorn_config(host, port), shutdown_trigger=shutdown.wait
+            )
         )
         try:
             yield Simulator(urls[0], engine, app)
@@ -71,13 +74,8 @@ async def open_simulator(
             engine.kill()
             shutdown.set()
             with trio.move_on_after(5):
-                await _wait_for_drain(app)
+                await app.wait_idle()
             nursery.cancel_scope.cancel()
-
-
-async def _wait_for_drain(app: SimApp) -> None:
-    while app.in_flight:
-        await trio.sleep(0.01)
 
 
 async def serve_simulator(
@@ -94,7 +92,7 @@ async def serve_simulator(
     Calls `task_status.started(url)` once the socket accepts connections.
     """
     engine, app = _build(config, epoch)
-    trigger = shutdown_trigger or trio.Event()
+    trigger = shutdown_trigger if shutdown_trigger is not None else trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
 
@@ -104,10 +102,12 @@ async def serve_simulator(
 
         nursery.start_soon(stop_parked)
         urls = await nursery.start(
-            partial(serve, app, _hypercorn_config(host, port), shutdown_trigger=trigger.wait)
+            partial(
+                serve, cast(Any, app), _hypercorn_config(host, port), shutdown_trigger=trigger.wait
+            )
         )
         task_status.started(urls[0])
         await trigger.wait()
         with trio.move_on_after(5):
-            await _wait_for_drain(app)
+            await app.wait_idle()
         nursery.cancel_scope.cancel()
