@@ -1,0 +1,288 @@
+"""The scheduler's trio glue on trio's MockClock: real registry, pool and audit channel, no
+sockets and no SQLite (records are read straight off the audit channel)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import pytest
+import trio
+
+from thunderproxy.audit import AuditLog, DecisionRecord
+from thunderproxy.audit.records import AuditRecord, StepRecord, TransitionRecord
+from thunderproxy.backends import BackendPool, EngineSnapshot, open_backend_pool
+from thunderproxy.errors import ProgramReleased
+from thunderproxy.programs import ProgramRegistry, ProgramStatus, StepUsage
+from thunderproxy.programs.profile import Profiles
+from thunderproxy.scheduling import Scheduler
+from thunderproxy.scheduling.policy import PolicyConfig
+from thunderproxy.scheduling.scheduler import StepOutcome, serve_resume_monitor
+
+B0, B1 = "http://b0", "http://b1"
+
+
+def snapshot(capacity: int | None, preemptions: float = 0.0) -> EngineSnapshot:
+    return EngineSnapshot(
+        flavour="vllm",
+        engines=1,
+        capacity_tokens=capacity,
+        block_size=16,
+        num_gpu_blocks=None if capacity is None else capacity // 16,
+        kv_usage=0.0,
+        running=0,
+        waiting=0,
+        prefix_queries_total=0,
+        prefix_hits_total=0,
+        preemptions_total=preemptions,
+    )
+
+
+@dataclass
+class Harness:
+    scheduler: Scheduler
+    pool: BackendPool
+    receive: trio.MemoryReceiveChannel[AuditRecord]
+
+    def records(self) -> list[AuditRecord]:
+        out = []
+        while True:
+            try:
+                out.append(self.receive.receive_nowait())
+            except trio.WouldBlock:
+                return out
+
+    def decisions(self) -> list[tuple[str, str, str]]:
+        return [
+            (r.action, r.program_id, r.rule)
+            for r in self.records()
+            if isinstance(r, DecisionRecord)
+        ]
+
+    async def step(self, program_id: str, tokens: int, *, status: int = 200) -> None:
+        lease = await self.scheduler.begin_step(
+            program_id, arrived_at=trio.current_time(), context_chars=tokens * 4
+        )
+        usage = StepUsage(tokens - 100, 100, 0) if status == 200 else StepUsage()
+        self.scheduler.end_step(lease, outcome(status, usage))
+
+
+def outcome(status: int, usage: StepUsage | None = None) -> StepOutcome:
+    return StepOutcome(
+        status=status,
+        usage=usage or StepUsage(),
+        endpoint="/v1/chat/completions",
+        model="m",
+        stream=True,
+    )
+
+
+CFG = PolicyConfig(
+    decode_buffer=0,
+    pause_cooldown_s=0,
+    resume_cooldown_s=0,
+    acting_half_life_s=0,
+    target_fill=1.0,
+    max_wait_s=20,
+    resume_protection_s=10,
+    idle_lease_s=300,
+)
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    send, receive = trio.open_memory_channel[AuditRecord](100_000)
+    async with open_backend_pool([B0]) as pool:
+        pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
+        scheduler = Scheduler(
+            mode="tr",
+            registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
+            pool=pool,
+            audit=AuditLog(send, run_id=1),
+            profiles=Profiles(),
+            config=CFG,
+        )
+        yield Harness(scheduler, pool, receive)
+
+
+@pytest.mark.parametrize(
+    ("status", "usage"),
+    [
+        pytest.param(499, None, id="client-disconnect"),
+        pytest.param(500, None, id="backend-error"),
+        pytest.param(400, None, id="bad-request"),
+        pytest.param(200, StepUsage(), id="no-usage-reported"),
+    ],
+)
+async def test_every_outcome_ends_the_step(
+    harness: Harness, status: int, usage: StepUsage | None
+) -> None:
+    # Defect 1: a program left REASONING after a failed call is a phantom on the GPU.
+    sched = harness.scheduler
+    lease = await sched.begin_step("p", arrived_at=0.0, context_chars=400)
+    assert sched.registry.get("p").status is ProgramStatus.REASONING
+    sched.end_step(lease, outcome(status, usage))
+    sched.end_step(lease, outcome(status, usage))  # a second close changes nothing
+    program = sched.registry.get("p")
+    assert program.status is ProgramStatus.ACTING
+    assert program.in_flight == 0
+    assert sched.registry.load_by_backend()[B0].reasoning == 0
+    steps = [r for r in harness.records() if isinstance(r, StepRecord)]
+    assert [s.status for s in steps] == [status]
+
+
+async def test_over_capacity_pauses_an_idle_program_and_the_newcomer_queues(
+    harness: Harness, autojump_clock: trio.testing.MockClock
+) -> None:
+    sched = harness.scheduler
+    await harness.step("a", 6_000)
+    await trio.sleep(1)
+    await harness.step("b", 3_000)
+    harness.records()
+    # c does not fit (6000 + 3000 + 2000 > 10000): it queues as PAUSED.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(harness.step, "c", 2_000))
+        await trio.sleep(0.5)
+        assert sched.registry.get("c").status is ProgramStatus.PAUSED
+        assert ("queue", "c", "capacity_full") in harness.decisions()
+        sched.release("a")  # frees 6000: c is resumed at once and its call goes out
+    assert sched.registry.get("c").status is ProgramStatus.ACTING
+    assert ("resume", "c", "capacity_free") in harness.decisions()
+
+
+async def test_a_waiting_request_is_force_resumed_at_max_wait(
+    harness: Harness, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Defect 3: waits are bounded by a setting, not by a hard-coded 30 minutes.
+    sched = harness.scheduler
+    await harness.step("hog", 9_900)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_resume_monitor, sched, interval=1.0))
+        start = trio.current_time()
+        await harness.step("late", 5_000)
+        assert trio.current_time() - start == pytest.approx(CFG.max_wait_s, abs=1.0)
+        nursery.cancel_scope.cancel()
+    program = sched.registry.get("late")
+    assert program.protected_until == pytest.approx(trio.current_time() + 10, abs=1.0)
+    assert ("force_resume", "late", "max_wait") in harness.decisions()
+
+
+async def test_a_cancelled_wait_leaves_the_queue_and_is_never_sent(
+    harness: Harness, autojump_clock: trio.testing.MockClock
+) -> None:
+    sched = harness.scheduler
+    await harness.step("hog", 9_900)
+    with trio.move_on_after(3):
+        await harness.step("gone", 5_000)
+    program = sched.registry.get("gone")
+    assert program.waiting_since is None
+    assert ("cancel", "gone", "client_disconnected") in harness.decisions()
+    sched.release("hog")
+    # Resumed into free room, but no call goes out on its behalf: it never started a step.
+    assert program.step_count == 0
+
+
+async def test_releasing_a_paused_program_does_not_let_its_request_through(
+    harness: Harness, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Defect 8: release must not bypass the capacity check for the blocked request.
+    sched = harness.scheduler
+    await harness.step("hog", 9_900)
+    results: list[Any] = []
+
+    async def blocked() -> None:
+        try:
+            await harness.step("victim", 5_000)
+            results.append("sent")
+        except ProgramReleased as exc:
+            results.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(blocked)
+        await trio.sleep(1)
+        sched.release("victim")
+    assert len(results) == 1
+    assert isinstance(results[0], ProgramReleased)
+    assert "victim" not in sched.registry
+
+
+async def test_a_marked_program_is_paused_when_its_call_ends(harness: Harness) -> None:
+    sched = harness.scheduler
+    first = await sched.begin_step("old", arrived_at=0.0, context_chars=6_000 * 4)
+    second = await sched.begin_step("young", arrived_at=0.0, context_chars=3_000 * 4)
+    harness.pool.get(B0).snapshot = snapshot(8_000)  # type: ignore[union-attr]
+    sched.rebalance(1.0)
+    assert sched.registry.get("young").marked_for_pause
+    assert not sched.registry.get("old").marked_for_pause
+    sched.end_step(second, outcome(200, StepUsage(3_000, 10, 0)))
+    assert sched.registry.get("young").status is ProgramStatus.PAUSED
+    sched.end_step(first, outcome(200, StepUsage(6_000, 10, 0)))
+
+
+async def test_capacity_is_rediscovered_and_kept_when_a_poll_loses_it(harness: Harness) -> None:
+    # Defect 5: a backend with no capacity yet is not a stall; one seen later is scheduled.
+    sched = harness.scheduler
+    backend = harness.pool.get(B0)
+    assert backend is not None
+    backend.snapshot = None
+    await harness.step("a", 50_000)
+    await harness.step("b", 50_000)  # admitted although far beyond any real capacity
+    assert ("admit", "b", "capacity_unknown") in harness.decisions()
+    backend.snapshot = snapshot(10_000)
+    sched.rebalance(2.0)
+    assert sched.registry.get("a").status is ProgramStatus.PAUSED
+    backend.snapshot = replace(snapshot(10_000), capacity_tokens=None)
+    assert sched.backend_views()[0].capacity_tokens == 10_000
+
+
+async def test_preemptions_shrink_capacity_and_recovery_restores_it(harness: Harness) -> None:
+    sched = harness.scheduler
+    backend = harness.pool.get(B0)
+    assert backend is not None
+    backend.snapshot = snapshot(10_000, preemptions=0)
+    sched.tick()
+    backend.snapshot = snapshot(10_000, preemptions=5)
+    sched.tick()
+    assert sched.schedule_of(B0).capacity_factor == pytest.approx(0.9)
+    for _ in range(10):
+        sched.tick()
+    assert sched.schedule_of(B0).capacity_factor == 1.0
+
+
+async def test_first_step_cached_tokens_teach_the_shared_prefix(harness: Harness) -> None:
+    # Defect 6: the common system prompt is learned from what the backend reports.
+    sched = harness.scheduler
+    for i, cached in enumerate([1_024, 1_024, 992]):
+        lease = await sched.begin_step(f"p{i}", arrived_at=0.0, context_chars=8_000)
+        sched.end_step(lease, outcome(200, StepUsage(2_000, 10, cached)))
+    assert sched.schedule_of(B0).shared_prefix_tokens == 1_024
+
+
+async def test_programs_of_a_dead_backend_move_to_a_live_one(harness: Harness) -> None:
+    # Defect 7: a dead backend's programs are re-placed, paused ones migrate on resume.
+    sched = harness.scheduler
+    b1 = harness.pool.add(B1)
+    b1.snapshot = snapshot(10_000)
+    await harness.step("acting", 1_000)
+    b0 = harness.pool.get(B0)
+    assert b0 is not None
+    b0.mark_failed("test: killed")
+    await harness.step("acting", 1_000)
+    assert sched.registry.get("acting").backend == B1
+    assert ("migrate", "acting", "backend_unhealthy") in harness.decisions()
+
+
+async def test_idle_programs_are_retired_by_the_monitor(
+    harness: Harness, autojump_clock: trio.testing.MockClock
+) -> None:
+    sched = harness.scheduler
+    await harness.step("forgotten", 1_000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_resume_monitor, sched, interval=1.0))
+        await trio.sleep(CFG.idle_lease_s + 2)
+        nursery.cancel_scope.cancel()
+    assert "forgotten" not in sched.registry
+    transitions = [r.transition for r in harness.records() if isinstance(r, TransitionRecord)]
+    assert transitions[-1].reason == "retired: idle lease expired"
