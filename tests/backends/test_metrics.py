@@ -16,7 +16,10 @@ vllm:prefix_cache_queries_total{engine="0",model_name="m"} 5.5310021e+07
 vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7953327885375e+09
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 4.1187328e+07
 vllm:num_preemptions_total{engine="0",model_name="m"} 212.0
-vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.92",kv_cache_size_tokens="447232",num_cpu_blocks="None",num_gpu_blocks="27952",num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256",sliding_window="None"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",\
+engine="0",gpu_memory_utilization="0.92",kv_cache_size_tokens="447232",num_cpu_blocks="None",\
+num_gpu_blocks="27952",num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256",\
+sliding_window="None"} 1.0
 """
 
 OLD_08 = """\
@@ -59,7 +62,8 @@ def test_current_vllm_prefers_kv_cache_size_tokens() -> None:
     assert snap.capacity_tokens == 447_232
     assert snap.block_size == 16
     assert snap.kv_usage == pytest.approx(0.9412)
-    assert snap.running == 37 and snap.waiting == 4
+    assert snap.running == 37
+    assert snap.waiting == 4
     assert snap.prefix_hit_rate == pytest.approx(4.1187328e07 / 5.5310021e07)
     assert snap.preemptions_total == 212
 
@@ -67,7 +71,8 @@ def test_current_vllm_prefers_kv_cache_size_tokens() -> None:
 def test_kv_cache_size_tokens_wins_over_blocks_times_size() -> None:
     text = CURRENT.replace('kv_cache_size_tokens="447232"', 'kv_cache_size_tokens="400000"')
     snap = interpret(text)
-    assert snap is not None and snap.capacity_tokens == 400_000
+    assert snap is not None
+    assert snap.capacity_tokens == 400_000
 
 
 def test_vllm_08_names_and_block_counted_prefix_counters() -> None:
@@ -102,7 +107,8 @@ def test_sglang_counts_each_engine_once_across_tensor_ranks() -> None:
 
 def test_missing_capacity_is_none_not_zero() -> None:
     snap = interpret('vllm:num_requests_running{engine="0"} 1.0\n')
-    assert snap is not None and snap.capacity_tokens is None
+    assert snap is not None
+    assert snap.capacity_tokens is None
 
 
 def test_unknown_or_garbage_text() -> None:
