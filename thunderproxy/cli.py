@@ -31,6 +31,8 @@ def configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # One line per backend request would drown the proxy's own messages.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -108,8 +108,12 @@ async def _stop_on_signals(
 async def _embedded_simulator(nursery: trio.Nursery, background: Background) -> str:
     from .sim import SimConfig, serve_simulator
 
+    # Report cached tokens per request, as vLLM does with --enable-prompt-tokens-details
+    # (the flag a real deployment behind thunderproxy should run with).
+    config = SimConfig(enable_prompt_tokens_details=True)
+
     url: str = await nursery.start(
-        _in_scope, background, partial(serve_simulator, SimConfig(), host="127.0.0.1", port=0)
+        _in_scope, background, partial(serve_simulator, config, host="127.0.0.1", port=0)
     )
     log.warning(
         "No --backends given: started an embedded SIMULATED vLLM at %s (no GPU, no model). "
