@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,16 +86,18 @@ class RequestHandle:
         self._pending.clear()
         return out
 
-    def __aiter__(self) -> AsyncIterator[StepOutput]:
-        return self._iterate()
+    # A plain async iterator rather than an async generator: consumers that stop early
+    # (an error mid-request) must not leave a generator for the garbage collector to close.
+    def __aiter__(self) -> RequestHandle:
+        return self
 
-    async def _iterate(self) -> AsyncIterator[StepOutput]:
-        while True:
-            batch = await self.next_batch()
-            if not batch:
-                return
-            for output in batch:
-                yield output
+    async def __anext__(self) -> StepOutput:
+        while not self._pending:
+            if self.finished:
+                raise StopAsyncIteration
+            await self._event.wait()
+            self._event = trio.Event()
+        return self._pending.popleft()
 
 
 class Engine:
