@@ -352,7 +352,7 @@ async def test_agent_appending_the_reply_gets_prefix_hits(
         ),
         pytest.param(
             "/v1/completions",
-            {"prompt": [1], "stream_options": {}},
+            {"prompt": [1], "stream_options": {"include_usage": True}},
             400,
             "stream_options",
             "BadRequestError",

@@ -71,7 +71,11 @@ class Request:
             return {}
         try:
             return json.loads(raw)
-        except ValueError:
+        except json.JSONDecodeError as exc:
+            raise validation_error(
+                "json_invalid", "body.0", "JSON decode error", {}, {"error": exc.msg}
+            ) from None
+        except ValueError:  # undecodable bytes
             raise validation_error("json_invalid", "body.0", "JSON decode error", {}) from None
 
 
