@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from tests.conftest import query
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from thunderproxy.sim import SimConfig, open_simulator
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
@@ -28,6 +28,14 @@ def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ROOT / "dist" / "thunderproxy.pyz"
 
 
+async def serve_simulator_task(
+    config: SimConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    async with open_simulator(config) as sim:
+        task_status.started(sim.url)
+        await trio.sleep_forever()
+
+
 def command(kind: str, pyz: Path | None) -> list[str]:
     if kind == "module":
         return [sys.executable, "-m", "thunderproxy"]
@@ -36,7 +44,9 @@ def command(kind: str, pyz: Path | None) -> list[str]:
     return [BASE_PYTHON, "-S", str(pyz)]
 
 
-async def start_serving(argv: list[str], env: dict[str, str]) -> tuple[trio.Process, str, list[bytes]]:
+async def start_serving(
+    argv: list[str], env: dict[str, str]
+) -> tuple[trio.Process, str, list[bytes]]:
     process = await trio.lowlevel.open_process(
         argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, cwd=ROOT
     )
@@ -53,18 +63,22 @@ async def start_serving(argv: list[str], env: dict[str, str]) -> tuple[trio.Proc
                 return process, match.group(1).decode(), output
 
 
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+SIM = SimConfig(enable_prompt_tokens_details=True, output_len_dist="fixed:8")
+
+
 def openai_calls(base_url: str) -> list[str]:
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
     texts = []
     for step in range(2):
         reply = client.chat.completions.create(
-            model="fake",
+            model=MODEL,
             messages=[{"role": "user", "content": f"step {step}"}],
             extra_body={"program_id": "openai-agent"},
         )
         texts.append(reply.choices[0].message.content or "")
     stream = client.chat.completions.create(
-        model="fake",
+        model=MODEL,
         messages=[{"role": "user", "content": "stream"}],
         stream=True,
         extra_body={"program_id": "openai-agent"},
@@ -78,43 +92,41 @@ async def test_served_process_speaks_to_the_openai_client_and_stops_cleanly_on_s
     kind: str, request: pytest.FixtureRequest, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     pyz = request.getfixturevalue("pyz") if kind == "pyz" else None
-    backend = FakeBackend()
-    await nursery.start(serve_fake_backend, backend)
+    sim = await nursery.start(serve_simulator_task, SIM)
     db = tmp_path / "audit.db"
     env = {**os.environ, "THUNDERPROXY_PYZ_CACHE": str(tmp_path / "cache")}
-    argv = [*command(kind, pyz), "serve", "--port", "0", "--backends", backend.url, "--db", str(db)]
+    argv = [*command(kind, pyz), "serve", "--port", "0", "--backends", sim, "--db", str(db)]
     process, url, output = await start_serving(argv, env)
     try:
         texts = await trio.to_thread.run_sync(openai_calls, url)
-        assert texts[0].startswith("w w")
-        assert texts[2] == "w0 w1 w2 w3 w4 "
+        assert all(texts)
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(20):
             assert await process.wait() == 0
     finally:
         if process.returncode is None:
             process.kill()
-    rows = query(db, "select program_id, step, status, prompt_tokens, stream from steps order by step")
+    rows = query(db, "select step, status, completion_tokens, stream from steps order by step")
     assert rows == [
-        {"program_id": "openai-agent", "step": 1, "status": 200, "prompt_tokens": 10, "stream": 0},
-        {"program_id": "openai-agent", "step": 2, "status": 200, "prompt_tokens": 10, "stream": 0},
-        {"program_id": "openai-agent", "step": 3, "status": 200, "prompt_tokens": 10, "stream": 1},
+        {"step": 1, "status": 200, "completion_tokens": 8, "stream": 0},
+        {"step": 2, "status": 200, "completion_tokens": 8, "stream": 0},
+        {"step": 3, "status": 200, "completion_tokens": 8, "stream": 1},
     ]
-    assert all("program_id" not in body for body in backend.received)
+    assert query(db, "select distinct program_id from steps") == [{"program_id": "openai-agent"}]
     assert (db.stat().st_mode & 0o777) == 0o600
 
 
 async def test_sigterm_drains_a_stream_in_flight(nursery: trio.Nursery, tmp_path: Path) -> None:
     import httpx
 
-    backend = FakeBackend()
-    await nursery.start(serve_fake_backend, backend)
+    sim = await nursery.start(serve_simulator_task, SIM)
     db = tmp_path / "audit.db"
-    argv = [*command("module", None), "serve", "--port", "0", "--backends", backend.url]
+    argv = [*command("module", None), "serve", "--port", "0", "--backends", sim]
     process, url, _ = await start_serving([*argv, "--db", str(db)], dict(os.environ))
     try:
-        body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "stream": True}
-        headers = {"x-fake-delay": "0.2", "x-fake-words": "5", "X-Program-Id": "drain"}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+        # ~150 decode steps of ~7 ms: still streaming when SIGTERM arrives after chunk one.
+        headers = {"X-Sim-Output-Tokens": "150", "X-Program-Id": "drain"}
         chunks = []
         async with (
             httpx.AsyncClient(base_url=url) as client,

@@ -1,4 +1,5 @@
-"""The proxy end to end: real Hypercorn on loopback, a real backend server, real SQLite."""
+"""The proxy end to end: real Hypercorn on loopback in front of the simulated vLLM, real
+SQLite. (What is forwarded byte for byte is checked in test_forwarding.py.)"""
 
 from __future__ import annotations
 
@@ -13,22 +14,29 @@ import pytest
 import trio
 
 from tests.conftest import query, running_proxy, wait_for
-from tests.fakebackend import FakeBackend, serve_fake_backend
 from thunderproxy.runtime import RunningProxy
+from thunderproxy.sim import SimConfig, Simulator, open_simulator
 
-CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}]}
-
-
-@pytest.fixture
-async def backend(nursery: trio.Nursery) -> FakeBackend:
-    state = FakeBackend()
-    await nursery.start(serve_fake_backend, state)
-    return state
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+PROMPT = "please list the files in the repository " * 8
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]}
+FIVE = {"X-Sim-Output-Tokens": "5"}
 
 
 @pytest.fixture
-async def proxy(backend: FakeBackend, tmp_path: Path) -> AsyncIterator[RunningProxy]:
-    async with running_proxy(tmp_path / "audit.db", backends=backend.url) as running:
+async def sim() -> AsyncIterator[Simulator]:
+    config = SimConfig(
+        kv_capacity_tokens=16_000,
+        enable_prompt_tokens_details=True,
+        enable_request_id_headers=True,
+    )
+    async with open_simulator(config) as simulator:
+        yield simulator
+
+
+@pytest.fixture
+async def proxy(sim: Simulator, tmp_path: Path) -> AsyncIterator[RunningProxy]:
+    async with running_proxy(tmp_path / "audit.db", backends=sim.url) as running:
         yield running
 
 
@@ -39,74 +47,67 @@ async def client(proxy: RunningProxy) -> AsyncIterator[httpx.AsyncClient]:
 
 
 def sse_payloads(text: str) -> list[Any]:
-    out = []
-    for event in text.split("\n\n"):
-        if event.startswith("data: ") and event != "data: [DONE]":
-            out.append(json.loads(event[6:]))
-    return out
+    return [
+        json.loads(event[6:])
+        for event in text.split("\n\n")
+        if event.startswith("data: ") and event != "data: [DONE]"
+    ]
 
 
-async def test_non_streaming_chat_strips_program_id_and_tracks_the_program(
-    client: httpx.AsyncClient, backend: FakeBackend
+async def test_non_streaming_chat_tracks_the_program(
+    client: httpx.AsyncClient, sim: Simulator
 ) -> None:
-    r = await client.post("/v1/chat/completions", json={**CHAT, "program_id": "agent-1"})
-    assert r.status_code == 200
-    assert r.json()["usage"]["completion_tokens"] == 5
-    assert "program_id" not in backend.received[-1]
-    assert backend.headers[-1]["X-Request-Id"] == "agent-1-1"
+    body = {**CHAT, "program_id": "agent-1"}
+    first = await client.post("/v1/chat/completions", json=body, headers=FIVE)
+    assert first.status_code == 200
+    assert first.headers["x-request-id"] == "agent-1-1"
+    usage = first.json()["usage"]
+    assert usage["completion_tokens"] == 5
+    second = await client.post("/v1/chat/completions", json=body, headers=FIVE)
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
-    programs = (await client.get("/programs")).json()
-    agent = programs["agent-1"]
+    agent = (await client.get("/programs")).json()["agent-1"]
     assert agent["status"] == "acting"
     assert agent["state"] == "active"
-    assert agent["step_count"] == 1
-    assert agent["total_tokens"] == 15
-    assert agent["context_len"] == len("hello there")
-    assert agent["backend"] == backend.url
-    assert agent["profile"]["step_count"] == 1
-    assert agent["profile"]["avg_kv_hit_rate"] == pytest.approx(0.8)
+    assert agent["step_count"] == 2
+    assert agent["total_tokens"] == usage["prompt_tokens"] + 5
+    assert agent["context_len"] == len(PROMPT)
+    assert agent["backend"] == sim.url
+    assert agent["profile"]["step_count"] == 2
+    assert agent["profile"]["avg_kv_hit_rate"] > 0
 
 
 @pytest.mark.parametrize(
     ("extra", "headers", "expected"),
     [
         pytest.param({"program_id": "from-body"}, {}, "from-body", id="body"),
-        pytest.param(
-            {"extra_body": {"program_id": "from-extra"}}, {}, "from-extra", id="extra_body"
-        ),
+        pytest.param({"extra_body": {"program_id": "extra"}}, {}, "extra", id="extra_body"),
         pytest.param({}, {"X-Program-Id": "from-header"}, "from-header", id="header"),
         pytest.param({}, {}, "default", id="default"),
     ],
 )
 async def test_program_id_sources(
-    client: httpx.AsyncClient,
-    backend: FakeBackend,
-    extra: dict[str, Any],
-    headers: dict[str, str],
-    expected: str,
+    client: httpx.AsyncClient, extra: dict[str, Any], headers: dict[str, str], expected: str
 ) -> None:
     r = await client.post("/v1/chat/completions", json={**CHAT, **extra}, headers=headers)
     assert r.status_code == 200
-    forwarded = backend.received[-1]
-    assert "program_id" not in forwarded
-    assert "extra_body" not in forwarded
-    assert "X-Program-Id" not in backend.headers[-1]
+    assert r.headers["x-request-id"] == f"{expected}-1"
     assert expected in (await client.get("/programs")).json()
 
 
 async def test_streaming_hides_the_usage_chunk_it_asked_for(
-    client: httpx.AsyncClient, backend: FakeBackend, proxy: RunningProxy
+    client: httpx.AsyncClient, proxy: RunningProxy
 ) -> None:
-    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True, "program_id": "s"})
+    body = {**CHAT, "stream": True, "program_id": "s"}
+    r = await client.post("/v1/chat/completions", json=body, headers=FIVE)
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
     payloads = sse_payloads(r.text)
-    assert len(payloads) == 5
     assert all(p["choices"] for p in payloads)
+    assert "usage" not in payloads[-1] or payloads[-1]["usage"] is None
     assert r.text.endswith("data: [DONE]\n\n")
-    assert backend.received[-1]["stream_options"] == {"include_usage": True}
     program = proxy.services.scheduler.registry.get("s")
-    assert program.total_tokens == 15
+    assert program.completion_tokens_total == 5
     assert program.status.value == "acting"
 
 
@@ -114,75 +115,64 @@ async def test_streaming_keeps_the_usage_chunk_the_client_asked_for(
     client: httpx.AsyncClient,
 ) -> None:
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
-    r = await client.post("/v1/chat/completions", json=body)
+    r = await client.post("/v1/chat/completions", json=body, headers=FIVE)
     payloads = sse_payloads(r.text)
     assert payloads[-1]["choices"] == []
-    assert payloads[-1]["usage"]["total_tokens"] == 15
+    assert payloads[-1]["usage"]["completion_tokens"] == 5
 
 
 async def test_stream_is_relayed_as_it_arrives(client: httpx.AsyncClient) -> None:
     body = {**CHAT, "stream": True}
     arrivals = []
     start = trio.current_time()
-    async with client.stream(
-        "POST",
-        "/v1/chat/completions",
-        json=body,
-        headers={"x-fake-delay": "0.2", "x-fake-words": "4"},
-    ) as r:
+    headers = {"X-Sim-Output-Tokens": "60"}
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         async for _ in r.aiter_raw():
             arrivals.append(trio.current_time() - start)
-    # The first chunk arrives after one delay, not after the whole stream (4 delays).
-    assert arrivals[0] < 0.6
-    assert arrivals[-1] >= 0.75
+    # ~60 decode steps of ~6.6 ms: the first chunk comes long before the last.
+    assert arrivals[-1] > 0.3
+    assert arrivals[0] < arrivals[-1] / 4
+    assert len(arrivals) > 20
 
 
-async def test_unknown_path_passes_through_unchanged(client: httpx.AsyncClient) -> None:
-    r = await client.post(
-        "/echo/some/path?x=1&y=2", content=b"raw bytes", headers={"X-Program-Id": "p"}
-    )
-    assert r.status_code == 201
-    assert r.headers["x-fake"] == "yes"
-    echoed = r.json()
-    assert echoed == {
-        "method": "POST",
-        "path": "/echo/some/path",
-        "query": "x=1&y=2",
-        "body": "raw bytes",
-        "x_program_id": "p",
-    }
-    models = await client.get("/v1/models")
-    assert models.json()["data"][0]["id"] == "fake"
+async def test_unknown_path_passes_through(client: httpx.AsyncClient) -> None:
+    r = await client.post("/tokenize", json={"model": MODEL, "prompt": "hello world"})
+    assert r.status_code == 200
+    assert r.json()["count"] == len(r.json()["tokens"]) > 0
+    assert (await client.get("/version")).json() == {"version": "0.33.0"}
+    assert (await client.get("/v1/models")).json()["data"][0]["id"] == MODEL
+    missing = await client.post("/v1/embeddings", json={"model": MODEL, "input": "x"})
+    assert missing.status_code == 404
 
 
-async def test_health_and_metrics(client: httpx.AsyncClient, backend: FakeBackend) -> None:
-    await client.post("/v1/chat/completions", json={**CHAT, "program_id": "h"})
+async def test_health_and_metrics(client: httpx.AsyncClient, sim: Simulator) -> None:
+    await client.post("/v1/chat/completions", json={**CHAT, "program_id": "h"}, headers=FIVE)
     health = (await client.get("/health")).json()
     assert health["status"] == "ok"
     assert health["router_mode"] == "default"
     assert health["scheduling_enabled"] is False
-    assert health["backends"] == [backend.url]
+    assert health["backends"] == [sim.url]
     assert health["programs_count"] == 1
     assert health["acting_count"] == 1
-    assert health["per_backend"][backend.url]["acting"] == 1
+    assert health["per_backend"][sim.url]["acting"] == 1
     assert health["profile_enabled"] is True
 
     metrics = (await client.get("/metrics")).json()
-    entry = metrics["backends"][backend.url]
+    entry = metrics["backends"][sim.url]
     assert metrics["metrics_enabled"] is True
     assert entry["healthy"] is True
     assert entry["cache_config"] == {
         "block_size": 16,
         "num_gpu_blocks": 1000,
-        "total_tokens_capacity": 16000,
+        "total_tokens_capacity": 16_000,
     }
-    assert entry["metrics"]["kv_cache_usage_perc"] == 0.25
-    assert entry["active_program_tokens"] == 15
-    assert entry["active_program_tokens_ratio"] == pytest.approx(15 / 16000)
+    program_tokens = (await client.get("/programs")).json()["h"]["total_tokens"]
+    assert entry["active_program_tokens"] == program_tokens
+    assert entry["active_program_tokens_ratio"] == pytest.approx(program_tokens / 16_000)
 
 
 async def test_profiles(client: httpx.AsyncClient) -> None:
-    await client.post("/v1/chat/completions", json={**CHAT, "program_id": "prof"})
+    await client.post("/v1/chat/completions", json={**CHAT, "program_id": "prof", "stream": True})
     profiles = (await client.get("/profiles")).json()
     assert set(profiles["prof"]) == {
         "step_count",
@@ -192,15 +182,17 @@ async def test_profiles(client: httpx.AsyncClient) -> None:
         "avg_tool_call_s",
         "avg_kv_hit_rate",
     }
-    assert (await client.get("/profiles/prof")).json()["step_count"] == 1
+    one = (await client.get("/profiles/prof")).json()
+    assert one["step_count"] == 1
+    assert one["avg_prefill_s"] > 0
     missing = await client.get("/profiles/nobody")
     assert missing.status_code == 404
     assert "nobody" in missing.json()["error"]["message"]
 
 
-async def test_profiles_disabled_answers_400(backend: FakeBackend, tmp_path: Path) -> None:
+async def test_profiles_disabled_answers_400(sim: Simulator, tmp_path: Path) -> None:
     async with (
-        running_proxy(tmp_path / "a.db", backends=backend.url, profile=False) as proxy,
+        running_proxy(tmp_path / "a.db", backends=sim.url, profile=False) as proxy,
         httpx.AsyncClient(base_url=proxy.url) as client,
     ):
         r = await client.get("/profiles")
@@ -209,7 +201,7 @@ async def test_profiles_disabled_answers_400(backend: FakeBackend, tmp_path: Pat
 
 
 async def test_release(client: httpx.AsyncClient) -> None:
-    await client.post("/v1/chat/completions", json={**CHAT, "program_id": "rel"})
+    await client.post("/v1/chat/completions", json={**CHAT, "program_id": "rel"}, headers=FIVE)
     r = await client.post("/programs/release", json={"program_id": "rel"})
     assert r.json() == {"program_id": "rel", "released": True}
     assert "rel" not in (await client.get("/programs")).json()
@@ -221,9 +213,10 @@ async def test_release(client: httpx.AsyncClient) -> None:
 async def test_tool_time_is_measured_between_steps(
     client: httpx.AsyncClient, proxy: RunningProxy
 ) -> None:
-    await client.post("/v1/chat/completions", json={**CHAT, "program_id": "tool"})
+    body = {**CHAT, "program_id": "tool"}
+    await client.post("/v1/chat/completions", json=body, headers=FIVE)
     await trio.sleep(0.2)
-    await client.post("/v1/chat/completions", json={**CHAT, "program_id": "tool"})
+    await client.post("/v1/chat/completions", json=body, headers=FIVE)
     program = proxy.services.scheduler.registry.get("tool")
     assert program.step_count == 2
     assert program.last_tool_s is not None
@@ -231,12 +224,11 @@ async def test_tool_time_is_measured_between_steps(
 
 
 async def test_backend_error_ends_the_step(client: httpx.AsyncClient, proxy: RunningProxy) -> None:
-    r = await client.post(
-        "/v1/chat/completions", json={**CHAT, "program_id": "err"}, headers={"x-fake-status": "500"}
-    )
+    headers = {"X-Sim-Fault": "500"}
+    r = await client.post("/v1/chat/completions", json={**CHAT, "program_id": "e"}, headers=headers)
     assert r.status_code == 500
-    assert r.json()["error"]["message"] == "fake failure"
-    program = proxy.services.scheduler.registry.get("err")
+    assert r.json()["error"]["type"] == "InternalServerError"
+    program = proxy.services.scheduler.registry.get("e")
     assert program.status.value == "acting"
     assert program.in_flight == 0
 
@@ -259,35 +251,39 @@ async def test_unreachable_backend_gives_openai_json_error(tmp_path: Path) -> No
     assert dead in error["message"]
 
 
-async def test_invalid_json_is_a_400(client: httpx.AsyncClient, backend: FakeBackend) -> None:
+async def test_invalid_json_is_a_400(client: httpx.AsyncClient, sim: Simulator) -> None:
     r = await client.post("/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
     r = await client.post("/v1/chat/completions", json={**CHAT, "program_id": 7})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "program_id"
-    assert backend.received == []
+    assert sim.engine.scheduler.stats.prompt_tokens == 0
 
 
 async def test_client_disconnect_mid_stream_cancels_upstream_and_records_499(
-    backend: FakeBackend, tmp_path: Path
+    sim: Simulator, tmp_path: Path
 ) -> None:
     db = tmp_path / "audit.db"
-    async with running_proxy(db, backends=backend.url) as proxy:
+    stats = sim.engine.scheduler.stats
+    async with running_proxy(db, backends=sim.url) as proxy:
         async with httpx.AsyncClient(base_url=proxy.url) as client:
-            body = {**CHAT, "stream": True, "program_id": "gone"}
-            headers = {"x-fake-delay": "0.1", "x-fake-words": "50"}
+            body = {**CHAT, "stream": True, "program_id": "gone", "max_tokens": 4000}
+            headers = {"X-Sim-Output-Tokens": "4000"}
             async with (
                 client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r,
                 aclosing(r.aiter_raw()) as chunks,
             ):
                 async for _ in chunks:
                     break
-        await wait_for(lambda: backend.aborted == ["gone-1"])
+        # The simulator aborts the request as soon as the proxy closes the upstream connection.
+        await wait_for(lambda: not sim.engine.scheduler.running)
+        generated = stats.generation_tokens
+        await trio.sleep(0.2)
+        assert stats.generation_tokens == generated < 200
         program = proxy.services.scheduler.registry.get("gone")
         await wait_for(lambda: program.in_flight == 0)
         assert program.status.value == "acting"
-    assert backend.completed == []
     rows = query(db, "select status, error, stream from steps where program_id = 'gone'")
     assert rows == [
         {
@@ -299,33 +295,34 @@ async def test_client_disconnect_mid_stream_cancels_upstream_and_records_499(
 
 
 async def test_client_disconnect_before_first_byte_cancels_upstream(
-    backend: FakeBackend, tmp_path: Path
+    sim: Simulator, tmp_path: Path
 ) -> None:
     db = tmp_path / "audit.db"
-    async with running_proxy(db, backends=backend.url) as proxy:
+    async with running_proxy(db, backends=sim.url) as proxy:
         async with httpx.AsyncClient(base_url=proxy.url) as client:
             with trio.move_on_after(0.3):
                 await client.post(
                     "/v1/chat/completions",
                     json={**CHAT, "program_id": "early"},
-                    headers={"x-fake-delay": "1", "x-fake-words": "5"},
+                    headers={"X-Sim-Fault": "slow"},  # 5 s before the engine sees it
                 )
         await wait_for(lambda: proxy.services.scheduler.registry.get("early").in_flight == 0)
+    assert sim.engine.scheduler.stats.prompt_tokens == 0
     assert query(db, "select status from steps where program_id = 'early'") == [{"status": 499}]
 
 
-async def test_clean_shutdown_writes_every_audit_row(backend: FakeBackend, tmp_path: Path) -> None:
+async def test_clean_shutdown_writes_every_audit_row(sim: Simulator, tmp_path: Path) -> None:
     db = tmp_path / "audit.db"
     n_programs, n_steps = 20, 3
     async with (
-        running_proxy(db, backends=backend.url) as proxy,
+        running_proxy(db, backends=sim.url) as proxy,
         httpx.AsyncClient(base_url=proxy.url) as client,
     ):
 
         async def agent(i: int) -> None:
             for _ in range(n_steps):
                 body = {**CHAT, "program_id": f"p{i}", "stream": i % 2 == 0}
-                r = await client.post("/v1/chat/completions", json=body)
+                r = await client.post("/v1/chat/completions", json=body, headers=FIVE)
                 assert r.status_code == 200
 
         async with trio.open_nursery() as nursery:

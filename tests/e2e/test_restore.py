@@ -5,20 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import trio
 
 from tests.conftest import query, running_proxy
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from thunderproxy.sim import SimConfig, open_simulator
 
-CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}]}
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]}
 
 
-async def test_restart_restores_the_registry(nursery: trio.Nursery, tmp_path: Path) -> None:
-    backend = FakeBackend()
-    await nursery.start(serve_fake_backend, backend)
-    db = tmp_path / "audit.db"
+async def test_restart_restores_the_registry(tmp_path: Path) -> None:
+    config = SimConfig(enable_request_id_headers=True, output_len_dist="fixed:4")
+    async with open_simulator(config) as sim:
+        await restart_and_check(sim.url, tmp_path / "audit.db")
+
+
+async def restart_and_check(backend: str, db: Path) -> None:
     async with (
-        running_proxy(db, backends=backend.url, router="tr") as proxy,
+        running_proxy(db, backends=backend, router="tr") as proxy,
         httpx.AsyncClient(base_url=proxy.url) as client,
     ):
         for program, steps in (("a", 2), ("b", 1), ("gone", 1)):
@@ -29,7 +32,7 @@ async def test_restart_restores_the_registry(nursery: trio.Nursery, tmp_path: Pa
         before = (await client.get("/programs")).json()
 
     async with (
-        running_proxy(db, backends=backend.url, router="tr") as proxy,
+        running_proxy(db, backends=backend, router="tr") as proxy,
         httpx.AsyncClient(base_url=proxy.url) as client,
     ):
         after = (await client.get("/programs")).json()
@@ -37,8 +40,8 @@ async def test_restart_restores_the_registry(nursery: trio.Nursery, tmp_path: Pa
         for name in ("a", "b"):
             for key in ("backend", "step_count", "total_tokens", "status", "state"):
                 assert after[name][key] == before[name][key], (name, key)
-        await client.post("/v1/chat/completions", json={**CHAT, "program_id": "a"})
-        assert backend.headers[-1]["X-Request-Id"] == "a-3"
+        r = await client.post("/v1/chat/completions", json={**CHAT, "program_id": "a"})
+        assert r.headers["x-request-id"] == "a-3"
 
     restored = query(
         db,

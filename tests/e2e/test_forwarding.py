@@ -1,0 +1,111 @@
+"""What exactly reaches the backend. A recording test double stands in for vLLM here because
+only it can show the forwarded bodies and headers byte for byte; behaviour is tested against
+the simulator in test_proxy.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.conftest import running_proxy
+from tests.fakebackend import FakeBackend, serve_fake_backend
+from thunderproxy.runtime import RunningProxy
+
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+@pytest.fixture
+async def backend(nursery: trio.Nursery) -> FakeBackend:
+    state = FakeBackend()
+    await nursery.start(serve_fake_backend, state)
+    return state
+
+
+@pytest.fixture
+async def client(backend: FakeBackend, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    proxy: RunningProxy
+    async with (
+        running_proxy(tmp_path / "audit.db", backends=backend.url) as proxy,
+        httpx.AsyncClient(base_url=proxy.url, timeout=10) as c,
+    ):
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("extra", "headers"),
+    [
+        pytest.param({"program_id": "p"}, {}, id="body"),
+        pytest.param({"extra_body": {"program_id": "p"}}, {}, id="extra_body"),
+        pytest.param({}, {"X-Program-Id": "p"}, id="header"),
+    ],
+)
+async def test_program_id_never_reaches_the_backend(
+    client: httpx.AsyncClient,
+    backend: FakeBackend,
+    extra: dict[str, Any],
+    headers: dict[str, str],
+) -> None:
+    r = await client.post("/v1/chat/completions", json={**CHAT, **extra}, headers=headers)
+    assert r.status_code == 200
+    assert backend.received[-1] == CHAT
+    assert "X-Program-Id" not in backend.headers[-1]
+    assert backend.headers[-1]["X-Request-Id"] == "p-1"
+
+
+async def test_other_extra_body_fields_are_kept(
+    client: httpx.AsyncClient, backend: FakeBackend
+) -> None:
+    body = {**CHAT, "extra_body": {"program_id": "p", "top_k": 5}}
+    await client.post("/v1/chat/completions", json=body)
+    assert backend.received[-1] == {**CHAT, "extra_body": {"top_k": 5}}
+
+
+async def test_streaming_asks_the_backend_for_usage(
+    client: httpx.AsyncClient, backend: FakeBackend
+) -> None:
+    body = {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    await client.post("/v1/chat/completions", json=body)
+    assert backend.received[-1]["stream_options"] == {
+        "continuous_usage_stats": True,
+        "include_usage": True,
+    }
+
+
+async def test_client_headers_pass_unchanged_and_hop_by_hop_ones_do_not(
+    client: httpx.AsyncClient, backend: FakeBackend
+) -> None:
+    headers = {
+        "Authorization": "Bearer secret-key",
+        "X-Custom": "kept",
+        "Connection": "keep-alive, X-Drop-Me",
+        "X-Drop-Me": "hop-by-hop",
+        "X-Request-Id": "client-chosen",
+    }
+    await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+    seen = backend.headers[-1]
+    assert seen["Authorization"] == "Bearer secret-key"
+    assert seen["X-Custom"] == "kept"
+    assert seen["X-Request-Id"] == "client-chosen"
+    assert "X-Drop-Me" not in seen
+    assert seen["Accept-Encoding"] == "identity"
+
+
+async def test_passthrough_keeps_method_path_query_body_and_headers(
+    client: httpx.AsyncClient,
+) -> None:
+    headers = {"X-Program-Id": "p"}
+    r = await client.post("/echo/some/path?x=1&y=2", content=b"raw bytes", headers=headers)
+    assert r.status_code == 201
+    assert r.headers["x-fake"] == "yes"
+    assert r.json() == {
+        "method": "POST",
+        "path": "/echo/some/path",
+        "query": "x=1&y=2",
+        "body": "raw bytes",
+        "x_program_id": "p",
+    }
