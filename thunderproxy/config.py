@@ -29,7 +29,7 @@ class Setting:
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
-    #: Boolean settings become ``--name/--no-name`` flag pairs.
+    #: Never shown as a default, logged or written to the audit db.
     secret: bool = False
 
     @property
@@ -141,6 +141,40 @@ SETTINGS: tuple[Setting, ...] = (
         True,
         "Restore the program registry from the audit db at startup.",
     ),
+    Setting(
+        "datasette",
+        True,
+        "Serve Datasette, read-only, at /datasette/ on the same port to explore the audit db.",
+    ),
+    Setting(
+        "ready_timeout",
+        30.0 * SECONDS,
+        "Seconds to wait at startup for the backends to answer /health before serving anyway.",
+    ),
+    Setting(
+        "max_queue_wait",
+        0.0 * SECONDS,
+        "tr: a new program whose estimated wait for capacity exceeds this many seconds is "
+        "answered 429 with Retry-After instead of queuing (0: always queue).",
+    ),
+    Setting("max_body_bytes", 32 * 1024 * 1024 * BYTES, "Largest request body accepted (413)."),
+    Setting(
+        "max_header_bytes",
+        64 * 1024 * BYTES,
+        "Largest request head (request line and headers) accepted.",
+    ),
+    Setting(
+        "client_timeout",
+        60.0 * SECONDS,
+        "Seconds a client may take to send its request, and an idle connection is kept.",
+    ),
+    Setting(
+        "admin_token",
+        "",
+        "Bearer token required by state-changing endpoints (/programs/release) and Datasette; "
+        "empty: no token needed.",
+        secret=True,
+    ),
     Setting("log_level", "info", "Log verbosity.", choices=("debug", "info", "warning", "error")),
 )
 
@@ -176,7 +210,22 @@ class Settings:
     target_fill: float = 0.95
     monitor_interval: float = 1.0
     restore: bool = True
+    datasette: bool = True
+    ready_timeout: float = 30.0
+    max_queue_wait: float = 0.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    client_timeout: float = 60.0
+    admin_token: str = dataclasses.field(default="", repr=False)
     log_level: str = "info"
+
+    def public(self) -> dict[str, Any]:
+        """Every setting, secrets redacted: what may be logged or stored."""
+        values = dataclasses.asdict(self)
+        for setting in SETTINGS:
+            if setting.secret and values.get(setting.name):
+                values[setting.name] = "<redacted>"
+        return values
 
     def policy(self) -> PolicyConfig:
         return PolicyConfig(
@@ -189,6 +238,7 @@ class Settings:
             resume_protection_s=self.resume_protection,
             idle_lease_s=self.idle_lease,
             target_fill=self.target_fill,
+            max_queue_wait_s=self.max_queue_wait,
         )
 
 

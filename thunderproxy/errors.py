@@ -31,6 +31,10 @@ class ThunderproxyError(Exception):
     error_type = "internal_error"
     #: OpenAI-style ``param`` the error is about, if any.
     param: str | None = None
+    #: The program the failed request belonged to, when known.
+    program_id: str | None = None
+    #: Set once the failure is in the audit log as a step, so it is not logged twice.
+    step_recorded = False
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -79,7 +83,7 @@ class ProgramUnknown(SchedulingError):
             f"Program {program_id!r} is not tracked; GET /programs lists the known programs.",
             param="program_id",
         )
-        self.program_id = program_id
+        self.program_id: str | None = program_id
 
 
 class ProfilingDisabled(SchedulingError):

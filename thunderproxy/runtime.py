@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -26,7 +26,7 @@ from . import __version__
 from .audit import AuditLog, serve_audit_writer
 from .audit.records import TransitionRecord
 from .backends import open_backend_pool
-from .backends.poller import serve_metrics_poller
+from .backends.poller import serve_metrics_poller, wait_until_ready
 from .clock import WallClock
 from .config import Settings
 from .http.app import Services, create_app
@@ -55,7 +55,10 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     config.graceful_timeout = settings.shutdown_grace
     config.accesslog = None
     config.errorlog = logging.getLogger("thunderproxy.http")
-    config.keep_alive_timeout = 75.0
+    # A slow sender gets --client-timeout for its request head (hypercorn treats a connection
+    # whose request is incomplete as idle) and again for its body (Quart's BODY_TIMEOUT).
+    config.keep_alive_timeout = settings.client_timeout
+    config.h11_max_incomplete_size = settings.max_header_bytes
     return config
 
 
@@ -158,7 +161,7 @@ async def run(
                 "version": __version__,
                 "router": settings.router,
                 "backends": pool.urls,
-                "settings": asdict(settings),
+                "settings": settings.public(),
             }
             audit: AuditLog = await nursery.start(
                 partial(
@@ -180,6 +183,15 @@ async def run(
                 profiles=profiles,
                 config=settings.policy(),
             )
+            with trio.move_on_after(settings.ready_timeout) as waiting:
+                await wait_until_ready(pool)
+            if waiting.cancelled_caught:
+                log.warning(
+                    "backends not ready after %.0f s: %s; serving anyway (their requests fail "
+                    "with 503 until they answer /health)",
+                    settings.ready_timeout,
+                    ", ".join(b.url for b in pool if not b.healthy),
+                )
             await nursery.start(
                 _in_scope,
                 background,

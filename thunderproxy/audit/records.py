@@ -143,3 +143,22 @@ class DecisionRecord:
         row = asdict(self)
         row["at"] = to_unix(self.at)
         return row
+
+
+@dataclass(frozen=True)
+class RejectionRecord:
+    """A request refused before it reached a backend (the ``rejections`` table)."""
+
+    table: ClassVar[str] = "rejections"
+    at: float
+    method: str
+    path: str
+    status: int
+    error_type: str
+    message: str
+    program_id: str | None = None
+
+    def row(self, to_unix: ToUnix) -> dict[str, Any]:
+        row = asdict(self)
+        row["at"] = to_unix(self.at)
+        return row

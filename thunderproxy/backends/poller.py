@@ -3,6 +3,7 @@ snapshot on the Backend, and log one ``backend_samples`` row per backend."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -13,6 +14,8 @@ from ..errors import BackendError
 from ..programs import ProgramRegistry
 from .metrics import interpret
 from .pool import Backend, BackendPool, map_httpx_errors
+
+log = logging.getLogger("thunderproxy.backends")
 
 #: A probe that takes longer than this counts as a failed health check.
 PROBE_TIMEOUT_S = 5.0
@@ -43,6 +46,21 @@ async def poll_all(pool: BackendPool, *, metrics: bool) -> None:
     async with trio.open_nursery() as nursery:
         for backend in pool:
             nursery.start_soon(partial(poll_backend, backend, metrics=metrics))
+
+
+async def wait_until_ready(pool: BackendPool, *, interval: float = 0.5) -> None:
+    """Poll /health until every backend answers (health-gated start); the caller bounds the
+    wait. Progress goes to the log every few seconds."""
+    next_report = trio.current_time() + 5.0
+    while True:
+        await poll_all(pool, metrics=False)
+        waiting = [b.url for b in pool if not b.healthy]
+        if not waiting:
+            return
+        if trio.current_time() >= next_report:
+            log.info("waiting for backends to answer /health: %s", ", ".join(waiting))
+            next_report = trio.current_time() + 5.0
+        await trio.sleep(interval)
 
 
 async def serve_metrics_poller(

@@ -19,6 +19,9 @@ from ..errors import (
 )
 from .metrics import EngineSnapshot
 
+#: Consecutive request timeouts after which a backend is treated as down until it answers again.
+FAILURES_BEFORE_UNHEALTHY = 3
+
 
 @dataclass
 class Backend:
@@ -30,15 +33,26 @@ class Backend:
     last_error: str | None = None
     last_poll_at: float | None = None
     in_flight: int = 0
+    #: Consecutive failed requests; reset by any success.
     failures: int = field(default=0)
 
     def mark_failed(self, error: str) -> None:
+        """The backend is down (refused a connection, failed its health check)."""
         self.healthy = False
         self.last_error = error
         self.failures += 1
 
+    def record_failure(self, error: str) -> None:
+        """A request failed in a way one slow request can explain (a timeout): only several in
+        a row take the backend out of placement."""
+        self.failures += 1
+        self.last_error = error
+        if self.failures >= FAILURES_BEFORE_UNHEALTHY:
+            self.healthy = False
+
     def mark_ok(self) -> None:
         self.healthy = True
+        self.failures = 0
         self.last_error = None
 
     @property

@@ -11,8 +11,10 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
+from werkzeug.exceptions import HTTPException
 
 from .. import __version__
+from ..audit.records import RejectionRecord
 from ..backends import BackendPool
 from ..clock import WallClock
 from ..config import Settings
@@ -21,6 +23,7 @@ from ..programs import Program, ProgramStatus
 from ..programs.profile import Profiles
 from ..programs.registry import BackendLoad
 from ..scheduling import Scheduler
+from .auth import require_admin
 from .errors import error_body, error_response
 from .proxy import CLEANUP_KEY, Proxy, parse_json_object
 
@@ -77,14 +80,26 @@ def program_view(program: Program, services: Services, *, with_profile: bool) ->
     return view
 
 
+def _error_type(status: int) -> str:
+    return {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        408: "timeout_error",
+        413: "invalid_request_error",
+    }.get(status, "internal_error" if status >= 500 else "invalid_request_error")
+
+
 def create_app(services: Services) -> QuartTrio:
     """The proxy's HTTP app over already-running services."""
     app = ThunderproxyApp("thunderproxy")
     # Streams of long generations must not be cut by Quart's 60 s response timeout; backend
     # silence is bounded by --first-byte-timeout and --read-timeout instead.
-    app.config["RESPONSE_TIMEOUT"] = None
-    app.config["BODY_TIMEOUT"] = 60
     settings = services.settings
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = settings.client_timeout
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     scheduler = services.scheduler
     registry = scheduler.registry
     proxy = Proxy(
@@ -94,14 +109,40 @@ def create_app(services: Services) -> QuartTrio:
         read_timeout=settings.read_timeout,
     )
 
+    def reject(status: int, error_type: str, message: str, program_id: str | None) -> None:
+        scheduler.audit.record(
+            RejectionRecord(
+                at=trio.current_time(),
+                method=request.method,
+                path=request.path,
+                status=status,
+                error_type=error_type,
+                message=message,
+                program_id=program_id,
+            )
+        )
+
     @app.errorhandler(ThunderproxyError)
     async def handle_error(error: ThunderproxyError) -> Response:
-        return error_response(error)
+        response = error_response(error)
+        if not error.step_recorded:
+            reject(response.status_code, error.error_type, error.message, error.program_id)
+        return response
 
-    @app.errorhandler(404)
-    async def not_found(_error: Exception) -> Response:
-        body = error_body("Not found.", error_type="not_found_error", status=404)
-        return Response(body, status=404, content_type="application/json")
+    @app.errorhandler(HTTPException)
+    async def handle_http_error(error: HTTPException) -> Response:
+        # Quart's own refusals (413 body too large, 408 body too slow, 405) in OpenAI's shape.
+        status = error.code or 500
+        message = {
+            413: f"Request body is larger than {settings.max_body_bytes} bytes "
+            "(see --max-body-bytes).",
+            408: f"Request body not received within {settings.client_timeout} s "
+            "(see --client-timeout).",
+        }.get(status, error.description or error.name)
+        error_type = _error_type(status)
+        reject(status, error_type, message, None)
+        body = error_body(message, error_type=error_type, status=status)
+        return Response(body, status=status, content_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -122,6 +163,7 @@ def create_app(services: Services) -> QuartTrio:
 
     @app.post("/programs/release")
     async def release_program() -> Response:
+        require_admin(request.headers.get("authorization"), settings.admin_token)
         body = parse_json_object(await request.get_data(False, False, False))
         program_id = body.get("program_id")
         if not isinstance(program_id, str) or not program_id:

@@ -281,10 +281,16 @@ class Proxy:
     async def _send(self, backend: Backend, upstream: httpx.Request) -> httpx.Response:
         try:
             with map_httpx_errors(backend.url), trio.fail_after(self.first_byte_timeout):
-                return await backend.client.send(upstream, stream=True)
+                response = await backend.client.send(upstream, stream=True)
         except BackendUnavailable as exc:
             backend.mark_failed(exc.message)
             raise
+        except BackendError as exc:
+            backend.record_failure(exc.message)
+            raise
+        if response.status_code < 500:
+            backend.failures = 0
+        return response
 
     async def completion(self, endpoint: str) -> Response:
         """POST /v1/chat/completions and /v1/completions: one step of one program."""
@@ -325,6 +331,7 @@ class Proxy:
             response = await self._send(lease.backend, upstream)
         except ThunderproxyError as exc:
             step.finish(status_for(exc), error=exc.message)
+            exc.step_recorded = True
             raise
         content_type = response.headers.get("content-type", "")
         if stream and response.status_code == 200 and "text/event-stream" in content_type:
@@ -340,6 +347,7 @@ class Proxy:
                 content = await response.aread()
         except ThunderproxyError as exc:
             step.finish(status_for(exc), error=exc.message)
+            exc.step_recorded = True
             raise
         finally:
             await close_upstream(response)

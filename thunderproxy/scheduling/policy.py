@@ -52,6 +52,8 @@ class PolicyConfig:
     resume_protection_s: float = 30.0
     idle_lease_s: float = 600.0
     target_fill: float = 0.95
+    #: 0: newcomers always queue; else a newcomer expected to wait longer is refused (429).
+    max_queue_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -334,6 +336,18 @@ def resume(
         if not placed and p.waiting_since is not None and waited >= cfg.max_wait_s / 2:
             blocked = True  # aging: the head reserves the next free capacity
     return decisions
+
+
+def expected_wait(
+    position: int, resume_times: Sequence[float], cfg: PolicyConfig, now: float
+) -> float:
+    """Seconds a newcomer at ``position`` in the queue can expect to wait: the recent rate of
+    resumes, or the forced-resume bound when there is no recent rate to go by."""
+    recent = [t for t in resume_times if now - t <= 60.0]
+    if len(recent) < 2:
+        return cfg.max_wait_s
+    rate = (len(recent) - 1) / max(1e-6, recent[-1] - recent[0])
+    return min(cfg.max_wait_s, (position + 1) / rate)
 
 
 def retire(programs: Sequence[ProgramView], cfg: PolicyConfig, now: float) -> list[Decision]:

@@ -13,13 +13,13 @@ import logging
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
 from ..audit import AuditLog, DecisionRecord, StepRecord
 from ..backends import Backend, BackendPool
-from ..errors import NoBackendAvailable, ProgramReleased
+from ..errors import NoBackendAvailable, ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
 from ..programs.profile import Profiles
 from . import policy
@@ -115,6 +115,8 @@ class Scheduler:
         self._now = clock
         self._backends: dict[str, BackendSchedule] = {}
         self._waiters: dict[str, list[Waiter]] = {}
+        #: When recent resumes happened: the queue's drain rate, for Retry-After.
+        self._resume_times: deque[float] = deque(maxlen=64)
 
     @property
     def scheduling_enabled(self) -> bool:
@@ -250,6 +252,19 @@ class Scheduler:
         decision = policy.admit(
             candidate, views[backend.url], self.program_views(), self.config, now
         )
+        if decision.action is Action.QUEUE and self.config.max_queue_wait_s > 0:
+            wait = policy.expected_wait(
+                decision.queue_position or 0, self._resume_times, self.config, now
+            )
+            if wait > self.config.max_queue_wait_s:
+                self._log(replace(decision, action=Action.REJECT, detail={"expected_wait_s": wait}))
+                error = QueueFull(
+                    f"Program {program_id!r} would wait about {wait:.0f} s for KV capacity, more "
+                    f"than --max-queue-wait {self.config.max_queue_wait_s:g} s; retry later.",
+                    retry_after_s=wait,
+                )
+                error.program_id = program_id
+                raise error
         self._log(decision)
         if decision.action is Action.QUEUE:
             program, _ = self.registry.get_or_create(
@@ -469,6 +484,7 @@ class Scheduler:
                 program.protected_until = now + self.config.resume_protection_s
             else:
                 self.schedule_of(decision.target_backend or "").last_resume_at = now
+            self._resume_times.append(now)
             self._wake(program.program_id)
         elif action is Action.RETIRE:
             self.registry.release(program.program_id, now, reason="retired: idle lease expired")
