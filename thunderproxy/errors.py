@@ -6,6 +6,7 @@
       RequestError                  the client's request cannot be served as sent
         InvalidRequest              malformed JSON, wrong types (400)
         PayloadTooLarge             body over the configured limit (413)
+        HeadersTooLarge             request head over the configured limit (431)
         Unauthorized                admin token missing or wrong (401)
       SchedulingError
         ProgramUnknown              a program id the registry does not know (404)
@@ -64,6 +65,10 @@ class InvalidRequest(RequestError):
 
 
 class PayloadTooLarge(RequestError):
+    pass
+
+
+class HeadersTooLarge(RequestError):
     pass
 
 

@@ -18,7 +18,13 @@ from ..audit.records import RejectionRecord
 from ..backends import BackendPool
 from ..clock import WallClock
 from ..config import Settings
-from ..errors import InvalidRequest, ProfilingDisabled, ProgramUnknown, ThunderproxyError
+from ..errors import (
+    HeadersTooLarge,
+    InvalidRequest,
+    ProfilingDisabled,
+    ProgramUnknown,
+    ThunderproxyError,
+)
 from ..programs import Program, ProgramStatus
 from ..programs.profile import Profiles
 from ..programs.registry import BackendLoad
@@ -143,6 +149,16 @@ def create_app(services: Services) -> QuartTrio:
         reject(status, error_type, message, None)
         body = error_body(message, error_type=error_type, status=status)
         return Response(body, status=status, content_type="application/json")
+
+    @app.before_request
+    async def limit_headers() -> None:
+        # hypercorn bounds only a head still arriving; a complete one may be larger.
+        size = sum(len(name) + len(value) + 4 for name, value in request.headers.items())
+        if size > settings.max_header_bytes:
+            raise HeadersTooLarge(
+                f"Request headers are {size} bytes, more than {settings.max_header_bytes} "
+                "(see --max-header-bytes)."
+            )
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

@@ -1,0 +1,126 @@
+"""Property-based tests over the HTTP boundary (hypothesis): whatever a client sends, the proxy
+answers with a well-formed response, never a 500 of its own, and forwards only what it should."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import running_proxy
+from tests.fakebackend import FakeBackend, serve_fake_backend
+
+Live = tuple[httpx.Client, FakeBackend]
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": st.text()}),
+    max_size=3,
+)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """A fake backend and a proxy on their own trio loop in a thread, so hypothesis can drive
+    them from plain synchronous examples."""
+    db = tmp_path_factory.mktemp("props") / "audit.db"
+    ready: queue.Queue[tuple[str, FakeBackend]] = queue.Queue()
+    stop = threading.Event()
+
+    async def serve() -> None:
+        backend = FakeBackend()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_fake_backend, backend)
+            async with running_proxy(Path(db), backends=backend.url, max_body_bytes=16_384) as p:
+                ready.put((p.url, backend))
+                await trio.to_thread.run_sync(stop.wait)
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
+    thread.start()
+    url, backend = ready.get(timeout=30)
+    with httpx.Client(base_url=url, timeout=10) as client:
+        yield client, backend
+    stop.set()
+    thread.join(30)
+
+
+def check_error_shape(r: httpx.Response) -> None:
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == r.status_code
+        assert "Traceback" not in r.text
+
+
+EXAMPLES = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@EXAMPLES
+@given(body=st.binary(max_size=2048))
+def test_any_bytes_get_a_well_formed_answer(live: Live, body: bytes) -> None:
+    client, _ = live
+    r = client.post("/v1/chat/completions", content=body)
+    check_error_shape(r)
+
+
+@EXAMPLES
+@given(body=json_values)
+def test_any_json_is_either_forwarded_cleanly_or_refused(live: Live, body: Any) -> None:
+    client, backend = live
+    before = len(backend.received)
+    r = client.post("/v1/chat/completions", content=json.dumps(body))
+    check_error_shape(r)
+    valid = isinstance(body, dict) and isinstance(body.get("messages"), list)
+    if r.status_code == 200:
+        assert valid
+        forwarded = backend.received[-1]
+        assert "program_id" not in forwarded
+    else:
+        assert len(backend.received) == before
+
+
+@EXAMPLES
+@given(program_id=json_values, msgs=messages)
+def test_program_ids_are_validated(live: Live, program_id: Any, msgs: list[Any]) -> None:
+    client, _ = live
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "program_id": program_id})
+    check_error_shape(r)
+    ok = isinstance(program_id, str) and program_id.strip() and len(program_id) <= 256
+    assert (r.status_code == 200) == bool(ok)
+    if ok:
+        assert program_id in client.get("/programs").json()
+
+
+@EXAMPLES
+@given(header=st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=300))
+def test_program_id_header(live: Live, header: str) -> None:
+    client, _ = live
+    r = client.post("/v1/chat/completions", json={"messages": []}, headers={"X-Program-Id": header})
+    check_error_shape(r)
+    assert (r.status_code == 200) == (0 < len(header) <= 256)
+
+
+@EXAMPLES
+@given(body=json_values)
+def test_release_never_fails_with_a_500(live: Live, body: Any) -> None:
+    client, _ = live
+    check_error_shape(client.post("/programs/release", content=json.dumps(body)))
