@@ -22,7 +22,11 @@ from tests.fakebackend import FakeBackend, serve_fake_backend
 Live = tuple[httpx.Client, FakeBackend]
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
     lambda children: (
         st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4)
     ),
