@@ -28,6 +28,8 @@ from .policy import Action, BackendView, Decision, PolicyConfig, ProgramView
 
 log = logging.getLogger("thunderproxy.scheduler")
 
+#: Until the backend has reported usage, prompts are sized at this many characters per token.
+DEFAULT_CHARS_PER_TOKEN = 4.0
 #: First-step cached-token samples kept per backend to estimate the shared system prefix.
 SHARED_PREFIX_SAMPLES = 64
 #: How the capacity factor reacts to engine preemptions (the model was too optimistic).
@@ -117,6 +119,8 @@ class Scheduler:
         self._waiters: dict[str, list[Waiter]] = {}
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
+        #: Characters per prompt token across programs, learned from usage; sizes newcomers.
+        self._chars_per_token: float | None = None
 
     @property
     def scheduling_enabled(self) -> bool:
@@ -242,7 +246,7 @@ class Scheduler:
         if not self.scheduling_enabled:
             program, _ = self.registry.get_or_create(program_id, arrived_at)
             return program
-        estimate = context_chars // 4
+        estimate = int(context_chars / (self._chars_per_token or DEFAULT_CHARS_PER_TOKEN))
         backend = self._choose(program_id, None)
         now = self._now()
         candidate = ProgramView(
@@ -355,6 +359,10 @@ class Scheduler:
         if tracked:
             self.registry.end_step(program, now, outcome.usage, reason=outcome.reason)
         usage = outcome.usage
+        if usage.prompt_tokens and program.context_len:
+            ratio = program.context_len / usage.prompt_tokens
+            previous = self._chars_per_token
+            self._chars_per_token = ratio if previous is None else 0.9 * previous + 0.1 * ratio
         if lease.step == 1 and usage.cached_tokens is not None:
             # A first call can only hit what other programs left: the shared prefix.
             self.schedule_of(lease.backend.url).shared_samples.append(usage.cached_tokens)
