@@ -48,6 +48,7 @@ def cli() -> None:
       thunderproxy serve --backends http://127.0.0.1:8000
       thunderproxy serve                      # embedded simulated vLLM, no GPU needed
       thunderproxy migrate --list
+      thunderproxy explore thunderproxy.db     # Datasette on a copied audit db
     """
 
 
@@ -63,6 +64,9 @@ def serve(**values: Any) -> None:
     except ThunderproxyError as exc:
         raise click.UsageError(exc.message) from None
     configure_logging(settings.log_level)
+    if settings.datasette:
+        # trio-asyncio has to patch asyncio before Quart imports aiofiles (see explore.mount).
+        from .explore import mount  # noqa: F401
     from .runtime import run
 
     try:
@@ -95,6 +99,37 @@ def migrate(db: str, list_only: bool) -> None:
         raise click.ClickException(exc.message) from None
     conn.close()
     click.echo(f"{db}: schema is current ({len(migrations.available())} migrations).")
+
+
+@cli.command()
+@click.argument("db", default="thunderproxy.db", envvar="THUNDERPROXY_DB")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
+@click.option(
+    "--port", default=8301, show_default=True, type=int, help="TCP port (0: any free port)."
+)
+def explore(db: str, host: str, port: int) -> None:
+    """Browse an audit db with Datasette, read-only, at /datasette/.
+
+    The same tables, views, canned queries and dashboard that `serve` mounts on its own port,
+    for a db copied off a server (copy its -wal file too if the proxy is still running). DB
+    defaults to $THUNDERPROXY_DB, else thunderproxy.db.
+
+    \b
+    Examples:
+      thunderproxy explore                          # ./thunderproxy.db on port 8301
+      thunderproxy explore copied.db --port 8400
+    """
+    from .explore.standalone import serve_standalone
+
+    def ready(url: str) -> None:
+        click.echo(f"exploring {db} read-only at {url} (Ctrl-C stops)", err=True)
+
+    try:
+        serve_standalone(db, host=host, port=port, ready=ready)
+    except ThunderproxyError as exc:
+        raise click.ClickException(exc.message) from None
+    except OSError as exc:
+        raise click.ClickException(f"Cannot listen on {host}:{port}: {exc.strerror}.") from None
 
 
 def _register_optional_commands() -> None:

@@ -29,6 +29,7 @@ from .backends import open_backend_pool
 from .backends.poller import serve_metrics_poller, wait_until_ready
 from .clock import WallClock
 from .config import Settings
+from .explore import mount_datasette
 from .http.app import Services, create_app
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
@@ -216,12 +217,14 @@ async def run(
                 nursery.start_soon(_stop_on_signals, shutdown, force, background)
 
             async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
-                await serve(
-                    create_app(services),  # type: ignore[arg-type]
-                    hypercorn_config(settings),
-                    shutdown_trigger=shutdown.wait,  # type: ignore[arg-type]
-                    task_status=task_status,
-                )
+                app = create_app(services)
+                async with mount_datasette(app, settings) as served:
+                    await serve(
+                        served,
+                        hypercorn_config(settings),
+                        shutdown_trigger=shutdown.wait,  # type: ignore[arg-type]
+                        task_status=task_status,
+                    )
                 # Requests are drained: stop the pollers, then let the writer flush.
                 background.cancel()
                 await audit.aclose()

@@ -1,0 +1,301 @@
+"""Every canned query and view, run on the db of a real end-to-end run (``scenario.py``), must
+give the answers the scripted traffic implies, not merely execute."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.explore import scenario
+from tests.explore.conftest import raw, run_canned
+from tests.explore.scenario import History
+from thunderproxy.explore.instance import canned_queries, load_metadata
+
+
+def utc(unix: float) -> str:
+    return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def by(rows: list[dict[str, Any]], key: str) -> dict[Any, dict[str, Any]]:
+    return {row[key]: row for row in rows}
+
+
+def test_every_query_is_documented_and_declares_exactly_its_parameters() -> None:
+    queries = canned_queries()
+    assert len(queries) >= 10
+    for name, query in queries.items():
+        assert query["title"], name
+        assert query["description_html"], name
+        used = set(re.findall(r":([a-z_]+)", query["sql"]))
+        assert used == set(query["params"]), name
+
+
+#: Created by migrations 001 to 003: the explorer's metadata must describe each of them.
+CORE = {
+    "runs", "transitions", "steps", "backend_samples", "decisions", "schema_migrations",
+    "program_states", "step_timings", "program_summary", "backend_timeline",
+}  # fmt: skip
+
+
+def test_every_table_view_and_column_is_described(history: History) -> None:
+    tables = load_metadata()["databases"]["audit"]["tables"]
+    assert set(tables) >= CORE
+    for name, meta in tables.items():
+        assert meta["title"], name
+        assert meta["description"], name
+        columns = raw(history.db, f"select name from pragma_table_info('{name}')")
+        assert set(meta["columns"]) == {c["name"] for c in columns}, name
+        for column in meta.get("facets", []) + [meta.get("sort_desc")]:
+            assert column is None or column in meta["columns"], (name, column)
+
+
+def test_throughput(history: History) -> None:
+    rows = run_canned(history.db, "throughput")
+    assert sum(r["steps"] for r in rows) == 11
+    assert sum(r["ok_steps"] for r in rows) == 9
+    assert sum(r["failed_steps"] for r in rows) == 1
+    assert sum(r["client_gone_steps"] for r in rows) == 1
+    tokens = raw(history.db, "select sum(completion_tokens) as n from steps where status < 400")
+    assert sum(r["completion_tokens"] for r in rows) == tokens[0]["n"] == 43
+    # alpha's pause and epsilon's queueing (it is created paused)
+    assert sum(r["pauses"] for r in rows) == 2
+    for row in rows:
+        assert row["tokens_per_s"] == round(row["completion_tokens"] / 60, 3)
+
+    per_second = run_canned(history.db, "throughput", bucket="1")
+    starts = [r["bucket_start"] for r in per_second]
+    assert starts == [starts[0] + i for i in range(len(starts))], "no bucket is skipped"
+    assert sum(r["steps"] for r in per_second) == 11
+
+    after_gap = run_canned(history.db, "throughput", since=str(history.gap_at), bucket="3600")
+    assert [(r["steps"], r["programs"]) for r in after_gap] == [(1, 1)]
+    assert after_gap[0]["max_queue_s"] >= scenario.MAX_WAIT_S * 0.9
+    before_gap = run_canned(history.db, "throughput", until=utc(history.gap_at), bucket="3600")
+    assert sum(r["steps"] for r in before_gap) == 10
+    assert sum(r["steps"] for r in run_canned(history.db, "throughput", since="-1 hour")) == 11
+    assert run_canned(history.db, "throughput", since="+1 hour") == []
+
+
+def test_waited_longest(history: History) -> None:
+    rows = run_canned(history.db, "waited_longest")
+    assert rows[0]["program_id"] == "epsilon"
+    assert [r["program_id"] for r in rows[1:]] != []
+    programs = by(rows, "program_id")
+    assert set(programs) == set(scenario.PROGRAMS)
+    epsilon, alpha, beta = programs["epsilon"], programs["alpha"], programs["beta"]
+    assert epsilon["waited_s"] >= scenario.MAX_WAIT_S * 0.9
+    assert epsilon["why"] == "queue:capacity_full x1"
+    assert epsilon["last_decision"] == "queue:capacity_full"
+    assert alpha["pauses"] == 1
+    assert alpha["paused_s"] == pytest.approx(scenario.PAUSE_S, abs=1e-4)
+    assert alpha["why"] == "pause:over_capacity x1"
+    assert alpha["kv_used_pct_at_decision"] == round(100 * scenario.PAUSE_USED / 16000, 1)
+    assert (beta["why"], beta["pauses"], beta["paused_s"]) == (None, 0, 0)
+    waits = raw(history.db, "select program_id, sum(queue_s) as s from steps group by 1")
+    for wait in waits:
+        assert programs[wait["program_id"]]["waited_s"] == round(wait["s"], 4)
+    assert [
+        r["program_id"] for r in run_canned(history.db, "waited_longest", since=str(history.gap_at))
+    ] == ["epsilon"]
+
+
+def test_program_timeline(history: History) -> None:
+    rows = run_canned(history.db, "program_timeline", program_id="alpha")
+    states = [r["what"] for r in rows if r["kind"] == "state"]
+    assert states == [
+        "reasoning", "acting", "paused", "acting", "reasoning", "acting", "reasoning", "acting",
+        "stopped",
+    ]  # fmt: skip
+    assert [r["what"] for r in rows if r["kind"] == "decision"] == ["admit", "pause", "resume"]
+    paused = next(r for r in rows if r["what"] == "paused")
+    assert paused["duration_s"] == pytest.approx(scenario.PAUSE_S, abs=1e-4)
+    assert (paused["why"], paused["ended_by_or_inputs"]) == (
+        "paused: over_capacity",
+        "resumed: fits",
+    )
+    pause = next(r for r in rows if r["what"] == "pause")
+    assert pause["ended_by_or_inputs"].startswith("used 15800/16000 tokens; program 1200 tokens")
+    assert rows[0]["t_s"] == 0
+    assert [r["t_s"] for r in rows] == sorted(r["t_s"] for r in rows)
+    shown = datetime.strptime(paused["at_utc"], "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC)
+    assert shown.timestamp() == pytest.approx(history.paused_at, abs=2e-3)
+
+    epsilon = run_canned(history.db, "program_timeline", program_id="epsilon")
+    assert (epsilon[0]["what"], epsilon[0]["why"]) == ("paused", "queued: capacity_full")
+    assert [r["what"] for r in epsilon if r["kind"] == "decision"] == ["queue", "force_resume"]
+
+    since_resume = run_canned(
+        history.db, "program_timeline", program_id="alpha", since=str(history.resumed_at - 1e-3)
+    )
+    assert since_resume[0]["what"] in ("acting", "resume")
+    assert since_resume[0]["t_s"] == 0
+    assert run_canned(history.db, "program_timeline", program_id="nobody") == []
+
+
+def test_decision_log(history: History) -> None:
+    rows = run_canned(history.db, "decision_log")
+    assert len(rows) == raw(history.db, "select count(*) as n from decisions")[0]["n"] == 8
+    assert [r["at_utc"] for r in rows] == sorted((r["at_utc"] for r in rows), reverse=True)
+    assert {r["program_id"] for r in rows if r["action"] == "admit"} == set(scenario.PROGRAMS[:4])
+    (pause,) = run_canned(history.db, "decision_log", action="pause")
+    assert (pause["program_id"], pause["rule"], pause["used_pct"]) == (
+        "alpha",
+        "over_capacity",
+        98.8,
+    )
+    epsilon = run_canned(history.db, "decision_log", program_id="epsilon")
+    assert [r["action"] for r in epsilon] == ["force_resume", "queue"]
+    assert epsilon[0]["waited_s"] >= scenario.MAX_WAIT_S * 0.9
+    assert run_canned(history.db, "decision_log", program_id="alpha", action="queue") == []
+
+
+def test_latency_breakdown(history: History) -> None:
+    rows = by(run_canned(history.db, "latency_breakdown"), "program_id")
+    counts = {name: row["steps"] for name, row in rows.items()}
+    # failed calls (gamma's 500, delta's 499) are not latencies
+    assert counts == {"alpha": 3, "beta": 2, "gamma": 2, "delta": 1, "epsilon": 1}
+    assert rows["epsilon"]["dominant"] == "queue"
+    assert rows["beta"]["dominant"] == "decode"
+    assert rows["alpha"]["dominant"] == "tool"
+    for row in rows.values():
+        shares = ("queue_pct", "prefill_pct", "decode_pct", "unsplit_pct", "tool_pct")
+        assert sum(row[k] for k in shares) == pytest.approx(100, abs=0.3)
+    steps = raw(history.db, "select * from steps where status < 400 and program_id = 'beta'")
+    assert rows["beta"]["avg_decode_s"] == round(sum(s["decode_s"] for s in steps) / 2, 4)
+    assert rows["beta"]["avg_tool_s"] == round(sum(s["tool_s"] or 0 for s in steps) / 2, 4)
+    assert rows["beta"]["avg_unsplit_s"] == 0
+    assert rows["beta"]["avg_decode_s"] >= (scenario.BETA_WORDS - 1) * scenario.BETA_DELAY_S
+    alpha = raw(history.db, "select * from steps where program_id = 'alpha'")
+    unsplit = sum(s["total_s"] - s["queue_s"] for s in alpha) / 3
+    assert rows["alpha"]["avg_unsplit_s"] == round(unsplit, 4)
+    only = run_canned(history.db, "latency_breakdown", program_id="beta", backend=history.backend)
+    assert [r["program_id"] for r in only] == ["beta"]
+    assert run_canned(history.db, "latency_breakdown", backend="http://elsewhere") == []
+
+
+def test_program_steps(history: History) -> None:
+    gamma = run_canned(history.db, "program_steps", program_id="gamma")
+    assert [r["step"] for r in gamma] == [1, 2, 3]
+    assert [r["outcome"] for r in gamma] == ["ok", "backend_error", "ok"]
+    assert "fake failure" in gamma[1]["error"]
+    assert [r["prompt_tokens"] for r in gamma] == [10, None, 30]
+    assert [r["recomputed_tokens"] for r in gamma] == [2, None, 22]
+    beta = run_canned(history.db, "program_steps", program_id="beta")
+    assert all(r["prefill_s"] > 0 and r["decode_s"] > 0 and r["unsplit_s"] is None for r in beta)
+    alpha = run_canned(history.db, "program_steps", program_id="alpha")
+    # alpha's second call came after the pause: its tool time includes it
+    assert alpha[1]["tool_s"] >= scenario.PAUSE_S + scenario.TOOL_S
+
+
+def test_prefix_cache_by_program(history: History) -> None:
+    rows = run_canned(history.db, "prefix_cache_by_program")
+    assert [r["recomputed_tokens"] for r in rows] == sorted(
+        (r["recomputed_tokens"] for r in rows), reverse=True
+    )
+    programs = by(rows, "program_id")
+    alpha = programs["alpha"]
+    # 1, 2 and 3 messages of 10 prompt tokens each; the fake backend caches 8 every time
+    assert (alpha["prompt_tokens"], alpha["cached_tokens"], alpha["recomputed_tokens"]) == (
+        60,
+        24,
+        36,
+    )
+    assert (alpha["hit_rate"], alpha["steps"], alpha["steps_without_usage"]) == (0.4, 3, 0)
+    assert programs["gamma"]["steps_without_usage"] == 1
+    assert programs["delta"]["steps_without_usage"] == 1
+    assert all(r["backend"] == history.backend for r in rows)
+
+
+def test_prefix_cache_over_time(history: History) -> None:
+    rows = run_canned(history.db, "prefix_cache_over_time", bucket="3600")
+    assert sum(r["prompt_tokens"] for r in rows) == 160
+    assert sum(r["cached_tokens"] for r in rows) == 72
+    assert sum(r["recomputed_tokens"] for r in rows) == 88
+    # the fake backend exposes no prefix-cache counters
+    assert all(r["backend_hit_rate"] is None for r in rows)
+    alpha = run_canned(history.db, "prefix_cache_over_time", program_id="alpha", bucket="3600")
+    assert sum(r["prompt_tokens"] for r in alpha) == 60
+    assert sum(r["hit_rate"] * r["prompt_tokens"] for r in alpha) == pytest.approx(24)
+
+
+def test_backend_usage(history: History) -> None:
+    rows = run_canned(history.db, "backend_usage", bucket="3600")
+    samples = raw(
+        history.db, "select count(*) as n, max(programs) as programs from backend_samples"
+    )[0]
+    assert sum(r["polls"] for r in rows) == samples["n"] >= 3
+    assert {r["backend"] for r in rows} == {history.backend}
+    assert all(r["avg_kv_usage_pct"] == 25.0 and r["capacity_tokens"] == 16000 for r in rows)
+    assert max(r["max_programs"] for r in rows) == samples["programs"]
+    assert sum(r["failed_polls"] for r in rows) == 0
+    assert run_canned(history.db, "backend_usage", backend="http://elsewhere") == []
+
+
+def test_failures(history: History) -> None:
+    rows = run_canned(history.db, "failures")
+    assert [(r["program_id"], r["step"]) for r in rows] == [("gamma", 2), ("delta", 1)]
+    gamma, delta = rows
+    assert (gamma["status"], gamma["outcome"], gamma["retried"]) == (500, "backend_error", 1)
+    assert (delta["status"], delta["outcome"], delta["retried"]) == (499, "client_gone", 1)
+    assert delta["error"] == "client closed the connection before the response ended"
+    assert gamma["retry_outcome"] == delta["retry_outcome"] == "ok"
+    assert gamma["retry_after_s"] >= 0
+    assert delta["retry_after_s"] >= 0
+    assert len(run_canned(history.db, "failures", program_id="delta")) == 1
+    assert run_canned(history.db, "failures", since=str(history.gap_at)) == []
+
+
+def test_slowest_steps(history: History) -> None:
+    arrived = raw(history.db, "select arrived_at from steps where program_id = 'epsilon'")
+    day = utc(arrived[0]["arrived_at"])[:10]
+    rows = run_canned(history.db, "slowest_steps", day=day)
+    assert len(rows) == 11
+    assert [r["total_s"] for r in rows] == sorted((r["total_s"] for r in rows), reverse=True)
+    assert (rows[0]["program_id"], rows[0]["dominant"]) == ("epsilon", "queue")
+    beta = [r for r in rows if r["program_id"] == "beta"]
+    assert {r["dominant"] for r in beta} == {"decode"}
+    if day == datetime.now(UTC).strftime("%Y-%m-%d"):
+        assert run_canned(history.db, "slowest_steps") == rows
+    assert run_canned(history.db, "slowest_steps", day="2000-01-01") == []
+
+
+def test_program_summary_view(history: History) -> None:
+    rows = by(raw(history.db, "select * from program_summary"), "program_id")
+    assert set(rows) == set(scenario.PROGRAMS)
+    alpha = rows["alpha"]
+    assert (alpha["steps"], alpha["pauses"], alpha["last_status"]) == (3, 1, "stopped")
+    assert alpha["paused_s"] == pytest.approx(scenario.PAUSE_S, abs=1e-4)
+    assert (alpha["prompt_tokens"], alpha["recomputed_tokens"], alpha["cache_hit_rate"]) == (
+        60,
+        36,
+        0.4,
+    )
+    assert (rows["gamma"]["failed_steps"], rows["gamma"]["client_gone_steps"]) == (1, 0)
+    assert (rows["delta"]["failed_steps"], rows["delta"]["client_gone_steps"]) == (1, 1)
+    assert rows["epsilon"]["max_queue_s"] >= scenario.MAX_WAIT_S * 0.9
+
+
+def test_step_timings_and_backend_timeline_views(history: History) -> None:
+    outcomes = raw(history.db, "select outcome, count(*) as n from step_timings group by 1")
+    assert {r["outcome"]: r["n"] for r in outcomes} == {
+        "ok": 9,
+        "backend_error": 1,
+        "client_gone": 1,
+    }
+    timeline = raw(history.db, "select * from backend_timeline order by at")
+    assert all(r["kv_usage_pct"] == 25.0 for r in timeline)
+    assert timeline[0]["prefix_hit_rate"] is None  # nothing to compare the first poll with
+
+
+def test_views_answer_on_an_empty_db(tmp_path: Path) -> None:
+    from thunderproxy.audit.writer import open_database
+
+    db = tmp_path / "empty.db"
+    open_database(str(db)).close()
+    for name, query in canned_queries().items():
+        params = {"program_id": "x"} if "program_id" in query["params"] else {}
+        assert run_canned(db, name, **params) == [], name
