@@ -1,0 +1,143 @@
+"""The load and soak harness: many concurrent agent programs through a proxy process against
+the simulated vLLM, counting every answer, sampling the proxy's memory, and comparing the
+audit log with what was served. Used by test_soak.py at two sizes."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import trio
+
+from tests.conftest import query
+from thunderproxy.sim import SimConfig, open_simulator
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
+STEPS_PER_PROGRAM = 8
+
+
+@dataclass
+class SoakResult:
+    served: int = 0
+    programs_done: int = 0
+    errors: dict[int, int] = field(default_factory=dict)
+    rss_kib: list[int] = field(default_factory=list)
+    audit_steps: int = 0
+    exit_code: int | None = None
+
+    @property
+    def proxy_errors(self) -> int:
+        return sum(self.errors.values())
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def _start(backend: str, db: Path) -> tuple[trio.Process, str]:
+    argv = [sys.executable, "-m", "thunderproxy", "serve", "--port", "0", "--router", "tr"]
+    argv += ["--backends", backend, "--db", str(db)]
+    argv += ["--metrics-interval", "1", "--max-connections", "2048"]
+    process = await trio.lowlevel.open_process(
+        argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=dict(os.environ)
+    )
+    assert process.stderr is not None
+    seen = b""
+    with trio.fail_after(30):
+        while not (match := LISTENING.search(seen)):
+            chunk = await process.stderr.receive_some()
+            assert chunk, seen.decode()
+            seen += chunk
+    return process, match.group(1).decode()
+
+
+async def soak(
+    tmp: Path, *, programs: int, seconds: float, seed: int = 0, report: bool = False
+) -> SoakResult:
+    """Keep ``programs`` agent programs running for ``seconds``; each does a few steps with
+    tool gaps and is released, and a new one takes its place."""
+    result = SoakResult()
+    rng = random.Random(seed)
+    db = tmp / "soak.db"
+    sim_config = SimConfig(
+        enable_prompt_tokens_details=True, output_len_dist="fixed:16", time_scale=0.05
+    )
+    async with open_simulator(sim_config) as sim:
+        process, url = await _start(sim.url, db)
+        limits = httpx.Limits(max_connections=programs + 16, max_keepalive_connections=programs)
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+                stop_at = trio.current_time() + seconds
+
+                async def program(slot: int) -> None:
+                    generation = 0
+                    while trio.current_time() < stop_at:
+                        pid = f"soak-{slot}-{generation}"
+                        history = f"task {pid}: " + "fix the bug in module " * rng.randint(20, 80)
+                        for step in range(STEPS_PER_PROGRAM):
+                            body = {
+                                "model": MODEL,
+                                "messages": [{"role": "user", "content": history}],
+                                "program_id": pid,
+                                "stream": step % 2 == 0,
+                            }
+                            r = await client.post("/v1/chat/completions", json=body)
+                            if r.status_code == 200:
+                                result.served += 1
+                            else:
+                                result.errors[r.status_code] = (
+                                    result.errors.get(r.status_code, 0) + 1
+                                )
+                            history += " observation line" * rng.randint(5, 30)
+                            await trio.sleep(rng.uniform(0.2, 2.0))  # the tool runs
+                            if trio.current_time() >= stop_at:
+                                break
+                        await client.post("/programs/release", json={"program_id": pid})
+                        result.programs_done += 1
+                        generation += 1
+
+                async def sample_memory() -> None:
+                    while True:
+                        result.rss_kib.append(rss_kib(process.pid))
+                        if report:
+                            print(
+                                f"t={len(result.rss_kib) * 5:>4}s served={result.served} "
+                                f"errors={result.proxy_errors} rss={result.rss_kib[-1]} KiB",
+                                flush=True,
+                            )
+                        await trio.sleep(5)
+
+                async def drain_log() -> None:
+                    # A full stderr pipe would block the proxy's logging, and the proxy with it.
+                    assert process.stderr is not None
+                    while await process.stderr.receive_some():
+                        pass
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(sample_memory)
+                    nursery.start_soon(drain_log)
+                    async with trio.open_nursery() as load:
+                        for slot in range(programs):
+                            load.start_soon(program, slot)
+                            await trio.sleep(0.005)  # ramp up over a few seconds
+                    nursery.cancel_scope.cancel()
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(60):
+                result.exit_code = await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+    result.audit_steps = query(db, "select count(*) as n from steps where status = 200")[0]["n"]
+    return result
