@@ -109,3 +109,13 @@ async def test_passthrough_keeps_method_path_query_body_and_headers(
         "body": "raw bytes",
         "x_program_id": "p",
     }
+
+
+@pytest.mark.parametrize("program_id", ["naïve-agent", "tab\there", "emoji-🚀", "\x80"])
+async def test_any_program_id_gives_a_valid_request_id_header(
+    client: httpx.AsyncClient, backend: FakeBackend, program_id: str
+) -> None:
+    r = await client.post("/v1/chat/completions", json={**CHAT, "program_id": program_id})
+    assert r.status_code == 200
+    assert backend.headers[-1]["X-Request-Id"].isascii()
+    assert program_id in (await client.get("/programs")).json()

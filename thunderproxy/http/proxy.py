@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import trio
@@ -70,6 +71,13 @@ def forward_headers(
     }
     skip = HOP_BY_HOP | listed | drop
     return [(name, value) for name, value in items if name.lower() not in skip]
+
+
+def header_safe(value: str) -> str:
+    """``value`` as an HTTP header value: program ids may hold any character, headers may not."""
+    if value.isascii() and value.isprintable():
+        return value
+    return quote(value, safe="")
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -323,7 +331,7 @@ class Proxy:
         )
         headers.append(("accept-encoding", "identity"))
         if "x-request-id" not in request.headers:
-            headers.append(("x-request-id", lease.request_id))
+            headers.append(("x-request-id", header_safe(lease.request_id)))
         upstream = lease.backend.client.build_request(
             "POST", endpoint, content=json.dumps(body).encode(), headers=headers
         )
