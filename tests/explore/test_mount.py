@@ -3,6 +3,7 @@ answers them, read-only, the access hook, and the proxy's own routes untouched."
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlencode
@@ -14,7 +15,6 @@ import trio
 from tests.conftest import running_proxy, wait_for
 from tests.explore.conftest import raw, run_canned
 from tests.fakebackend import FakeBackend, serve_fake_backend
-from thunderproxy.explore import mount
 from thunderproxy.explore.instance import canned_queries
 
 #: A value for every parameter, so each query's parameter handling is exercised.
@@ -94,23 +94,27 @@ async def test_nothing_can_write(proxy_url: str, history_copy: Path) -> None:
     assert raw(history_copy, "select count(*) as n from steps") == before
 
 
-async def test_the_access_hook_guards_every_datasette_request(
-    proxy_url: str, monkeypatch: pytest.MonkeyPatch
+async def test_the_admin_token_guards_every_datasette_request(
+    backend: FakeBackend, history_copy: Path
 ) -> None:
-    seen: list[str] = []
-
-    def refuse(scope: dict[str, object]) -> bool:
-        seen.append(str(scope["path"]))
-        return False
-
-    monkeypatch.setattr(mount, "request_allowed", refuse)
-    async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as c:
+    token = "explore-secret"
+    basic = base64.b64encode(f"operator:{token}".encode()).decode()
+    async with (
+        running_proxy(history_copy, backends=backend.url, restore=False, admin_token=token) as p,
+        httpx.AsyncClient(base_url=p.url, timeout=10) as c,
+    ):
         for path in ("/datasette/", "/datasette/audit/steps", "/datasette/-/static/app.css"):
             r = await c.get(path)
-            assert r.status_code == 403
-            assert r.json()["error"]["type"] == "forbidden"
+            assert r.status_code == 401
+            assert r.headers["www-authenticate"] == 'Basic realm="thunderproxy"'
+            assert r.json()["error"]["type"] == "authentication_error"
+            wrong = await c.get(path, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+            bearer = await c.get(path, headers={"Authorization": f"Bearer {token}"})
+            assert bearer.status_code == 200
+            browser = await c.get(path, headers={"Authorization": f"Basic {basic}"})
+            assert browser.status_code == 200
         assert (await c.get("/health")).status_code == 200
-    assert seen == ["/datasette/", "/datasette/audit/steps", "/datasette/-/static/app.css"]
 
 
 async def test_switched_off_the_prefix_is_just_another_backend_path(

@@ -39,5 +39,5 @@ async def mount_datasette(app: ASGIApp, settings: Settings) -> AsyncIterator[ASG
         return
     from .mount import open_datasette_mount
 
-    async with open_datasette_mount(app, settings.db) as mounted:
+    async with open_datasette_mount(app, settings.db, admin_token=settings.admin_token) as mounted:
         yield mounted

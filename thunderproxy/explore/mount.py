@@ -25,6 +25,7 @@ from typing import Any
 import trio
 import trio_asyncio
 
+from ..http.auth import admin_allowed
 from . import MOUNT_PATH, READ_METHODS
 from .instance import build_datasette
 
@@ -83,14 +84,15 @@ class DatasetteThreads(trio_asyncio.TrioExecutor):  # type: ignore[misc]
         self._threads.shutdown(wait=bool(wait), cancel_futures=True)
 
 
-def request_allowed(scope: Scope) -> bool:
-    """Whether a request under ``/datasette/`` may reach Datasette.
-
-    The one place that decides access to the explorer: the coming ``--admin-token`` check goes
-    here (the request's headers are in ``scope["headers"]``). Today anyone who can reach the
-    proxy's port may read its history, as they can read ``/programs``.
-    """
-    return True
+def request_allowed(scope: Scope, admin_token: str) -> bool:
+    """Whether a request under ``/datasette/`` may reach Datasette: with ``--admin-token``, only
+    one that carries it (as a bearer token, or as the password of HTTP Basic auth so that a
+    browser can ask for it)."""
+    authorization = None
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"authorization":
+            authorization = value.decode("latin-1")
+    return admin_allowed(authorization, admin_token)
 
 
 async def _respond(send: Send, status: int, body: dict[str, Any], headers: list[Any]) -> None:
@@ -113,9 +115,10 @@ class DatasetteMount:
     """The ASGI app Hypercorn serves when Datasette is on: ``/datasette/...`` goes to
     Datasette through trio-asyncio, everything else (lifespan included) to the proxy app."""
 
-    def __init__(self, app: ASGIApp, datasette_app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, datasette_app: ASGIApp, *, admin_token: str = "") -> None:
         self.app = app
         self.datasette = trio_asyncio.aio_as_trio(datasette_app)
+        self.admin_token = admin_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
@@ -126,9 +129,14 @@ class DatasetteMount:
         if path != PREFIX and not path.startswith(MOUNT_PATH):
             await self.app(scope, receive, send)  # e.g. /datasette-foo is the backend's
             return
-        if not request_allowed(scope):
-            error = {"message": "Not allowed to read the audit log.", "type": "forbidden"}
-            await _respond(send, 403, {"error": error}, [])
+        if not request_allowed(scope, self.admin_token):
+            error = {
+                "message": "The audit log needs the admin token (--admin-token): send it as "
+                "'Authorization: Bearer <token>', or as the password when the browser asks.",
+                "type": "authentication_error",
+            }
+            challenge = (b"www-authenticate", b'Basic realm="thunderproxy"')
+            await _respond(send, 401, {"error": error}, [challenge])
             return
         if scope["method"] not in READ_METHODS:
             # Read-only: no form, API or canned query of the explorer takes a write.
@@ -146,7 +154,9 @@ class DatasetteMount:
 
 
 @asynccontextmanager
-async def open_datasette_mount(app: ASGIApp, db_path: str) -> AsyncIterator[DatasetteMount]:
+async def open_datasette_mount(
+    app: ASGIApp, db_path: str, *, admin_token: str = ""
+) -> AsyncIterator[DatasetteMount]:
     """Datasette on the audit db at ``db_path`` in front of ``app``, inside a trio-asyncio loop
     that stays open until the block exits (after the HTTP server has drained)."""
     ds = build_datasette(db_path)
@@ -156,7 +166,7 @@ async def open_datasette_mount(app: ASGIApp, db_path: str) -> AsyncIterator[Data
             # trio-asyncio accepts only for a TrioExecutor.
             ds.executor = threads = DatasetteThreads(SQL_THREADS)
             try:
-                yield DatasetteMount(app, ds.app())
+                yield DatasetteMount(app, ds.app(), admin_token=admin_token)
             finally:
                 threads.shutdown(wait=False)
     finally:

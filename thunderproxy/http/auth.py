@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import base64
 import hmac
 
 from ..errors import Unauthorized
 
 
 def admin_allowed(authorization: str | None, token: str) -> bool:
-    """True if no token is configured, or ``authorization`` is ``Bearer <token>``."""
+    """True if no token is configured, or ``authorization`` carries it: ``Bearer <token>``, or
+    HTTP Basic with the token as password."""
     if not token:
         return True
     if not authorization:
         return False
     scheme, _, presented = authorization.partition(" ")
+    presented = presented.strip()
+    if scheme.lower() == "basic":
+        # A browser asked for credentials: any user name, the token as password.
+        try:
+            presented = base64.b64decode(presented, validate=True).decode().partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            return False
+    elif scheme.lower() != "bearer":
+        return False
     # Constant-time comparison: the token must not leak through response timing.
-    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip(), token)
+    return hmac.compare_digest(presented.encode(), token.encode())
 
 
 def require_admin(authorization: str | None, token: str) -> None:
