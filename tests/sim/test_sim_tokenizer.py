@@ -58,3 +58,15 @@ def test_detokenize_round_trip() -> None:
     text = f"{START}user\nsome words, here{END}"
     assert TOK.decode(TOK.encode(text), skip_special_tokens=False) == text
     assert TOK.decode(TOK.encode(text)) == "user\nsome words, here"
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["user", "system", "assistant"]), st.text(max_size=40)),
+        max_size=5,
+    )
+)
+def test_encode_chat_equals_encoding_the_rendered_template(turns: list[tuple[str, str]]) -> None:
+    messages = [{"role": role, "content": text} for role, text in turns]
+    for _ in range(2):  # the second pass comes from the per-message memo
+        assert TOK.encode_chat(messages) == TOK.encode(TOK.apply_chat_template(messages))

@@ -230,7 +230,7 @@ class SimApp:
         tok = self.engine.tokenizer
         if isinstance(body, dict) and isinstance(body.get("messages"), list):
             add = body.get("add_generation_prompt", True) is not False
-            ids = tok.encode(tok.apply_chat_template(body["messages"], add_generation_prompt=add))
+            ids = tok.encode_chat(body["messages"], add_generation_prompt=add)
         elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
             ids = tok.encode(body["prompt"])
         else:

@@ -11,8 +11,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 
@@ -32,9 +31,11 @@ class QueueFullError(Exception):
     """Raised by `submit` when an admission limit (`max_num_queued_*`) is reached."""
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    """What one engine step produced for one request (tokens are emitted at step end)."""
+class StepOutput(NamedTuple):
+    """What one engine step produced for one request (tokens are emitted at step end).
+
+    A NamedTuple because the engine builds one per running request per step.
+    """
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -268,13 +269,13 @@ class Engine:
         if self._origin is None:
             self._origin = trio.current_time()
         task_status.started()
-        nominal = trio.current_time()
+        nominal = mark = trio.current_time()
         while True:
             sched = self.scheduler
             if self.dead or self.sleeping or not sched.has_work():
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
-                nominal = trio.current_time()
+                nominal = mark = trio.current_time()
                 continue
             start_sim = self.now()
             plan = sched.schedule(start_sim)
@@ -283,14 +284,13 @@ class Engine:
                 await trio.lowlevel.checkpoint()
                 continue
             dt = self._step_duration(plan)
-            scale = self.config.time_scale
-            step_start = trio.current_time()
-            # Deadlines chain on the nominal clock, so a late wake-up is caught up on the
-            # next steps instead of accumulating.
-            nominal += dt * scale
+            # Deadlines chain on the nominal clock, so time lost to a late wake-up (or to
+            # the HTTP layer hogging the CPU) is caught up on the next steps.
+            nominal += dt * self.config.time_scale
             await trio.sleep_until(nominal)
             end = trio.current_time()
-            self._account_clock(dt, step_start, end, nominal)
+            self._account_clock(dt, mark, end, nominal)
+            mark = end
             results = sched.complete_step(plan)
             self._record_step(plan, start_sim, dt)
             self._emit(results, self.now())
@@ -303,11 +303,12 @@ class Engine:
             dt *= 1.0 + self._jitter.uniform(-jitter, jitter)
         return dt
 
-    def _account_clock(self, dt: float, start: float, end: float, nominal: float) -> None:
+    def _account_clock(self, dt: float, since: float, end: float, nominal: float) -> None:
+        """Busy wall time runs from the previous step's end (or the wake-up) to this one's."""
         rec = self.recorder
         rec.busy_sim_seconds += dt
         rec.busy_nominal_wall_seconds += dt * self.config.time_scale
-        rec.busy_wall_seconds += end - start
+        rec.busy_wall_seconds += end - since
         rec.lag_seconds = max(0.0, end - nominal)
         rec.max_lag_seconds = max(rec.max_lag_seconds, rec.lag_seconds)
 

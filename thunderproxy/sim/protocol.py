@@ -171,8 +171,7 @@ def _chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
         raise bad_request(
             "Cannot apply chat template to an empty conversation. Provide at least one message."
         )
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(text)
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
 def _completion_prompt(

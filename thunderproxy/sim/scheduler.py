@@ -21,7 +21,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SimRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -50,14 +50,13 @@ class SimRequest:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Kept as plain attributes: the step loop reads them for every request every step.
+    num_prompt_tokens: int = 0
+    num_tokens: int = 0
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids)
 
     def tokens(self, start: int, stop: int) -> list[int]:
         prompt_len = len(self.prompt_token_ids)
@@ -81,7 +80,7 @@ class SimRequest:
             )
 
 
-@dataclass
+@dataclass(slots=True)
 class Scheduled:
     request: SimRequest
     num_new: int
@@ -284,6 +283,12 @@ class Scheduler:
 
     def _allocate(self, req: SimRequest, num_new: int, hits: Sequence[KVBlock]) -> bool:
         bs = self.block_size
+        end = req.num_computed_tokens + num_new
+        if not hits and end <= len(req.blocks) * bs:
+            # Decode inside the last block: nothing to allocate, maybe a block to register.
+            if min(end, req.num_tokens) // bs > req.num_cached_blocks:
+                self._cache_full_blocks(req, end)
+            return True
         computed = req.num_computed_tokens + len(hits) * bs
         needed = -(-(computed + num_new) // bs) - len(req.blocks) - len(hits)
         # Hit blocks that sit in the free queue are about to leave it.
@@ -297,14 +302,18 @@ class Scheduler:
             req.num_cached_blocks = len(hits)
         if needed > 0:
             req.blocks.extend(self.pool.get_new_blocks(needed, req.program))
+        self._cache_full_blocks(req, computed + num_new)
+        return True
+
+    def _cache_full_blocks(self, req: SimRequest, end: int) -> None:
         # vLLM registers blocks as cached when they are scheduled, not when computed.
-        full = min(computed + num_new, req.num_tokens) // bs
+        bs = self.block_size
+        full = min(end, req.num_tokens) // bs
         if full > req.num_cached_blocks:
             req.ensure_hashes(full, bs)
             for i in range(req.num_cached_blocks, full):
                 self.pool.cache_block(req.blocks[i], req.block_hashes[i])
             req.num_cached_blocks = full
-        return True
 
     def _record_first_schedule(self, req: SimRequest, computed: int, now: float) -> None:
         req.num_cached_tokens = computed
@@ -341,6 +350,7 @@ class Scheduler:
             token_id, text = req.sampler()
         req.output_token_ids.append(token_id)
         req.output_text.append(text)
+        req.num_tokens += 1
         if n_out == 1:
             self.stats.prompt_tokens += req.num_prompt_tokens
             self.stats.prompt_tokens_cached += max(req.num_cached_tokens, 0)

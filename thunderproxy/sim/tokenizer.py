@@ -22,6 +22,7 @@ _SYLLABLES = (
     "tor", "ben", "dal", "qui", "sar", "om", "ix", "ul",
 )  # fmt: skip
 _PUNCT = (".", ",", ";", ":", "!", "?")
+_MESSAGE_CACHE = 8192  # messages whose ids are memoised
 
 
 class Tokenizer:
@@ -41,6 +42,16 @@ class Tokenizer:
         self._pattern = re.compile(rf"<\|start\|>|<\|end\|>|\w{{1,{chars_per_token}}}|[^\w\s]|\s+")
         self._ids: dict[str, int] = {START: self.start_id, END: self.eos_id}
         self._pieces: dict[int, str] = {self.start_id: START, self.eos_id: END}
+        self._units: dict[str, list[tuple[int, str]]] = {}
+        self._messages: dict[tuple[str, str], list[int]] = {}
+
+    def unit_tokens(self, unit: str) -> list[tuple[int, str]]:
+        """(id, piece) pairs of a generator unit, last first; memoised (units repeat a lot)."""
+        cached = self._units.get(unit)
+        if cached is None:
+            cached = [(self.piece_id(p), p) for p in reversed(self.pieces(unit))]
+            self._units[unit] = cached
+        return cached
 
     def pieces(self, text: str) -> list[str]:
         return self._pattern.findall(text)
@@ -74,6 +85,30 @@ class Tokenizer:
                 continue
             parts.append(self.piece(token_id))
         return "".join(parts)
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """`encode(apply_chat_template(...))`, one message at a time.
+
+        Message boundaries are special tokens, which always end a piece, so a message's
+        ids do not depend on its neighbours. Agents resend their whole history every turn;
+        memoising per message saves re-tokenizing it.
+        """
+        ids: list[int] = []
+        cache = self._messages
+        for message in messages:
+            key = (str(message.get("role", "user")), message_text(message))
+            cached = cache.get(key)
+            if cached is None:
+                cached = self.encode(f"{START}{key[0]}\n{key[1]}{END}")
+                if len(cache) >= _MESSAGE_CACHE:
+                    del cache[next(iter(cache))]  # oldest first: dicts keep insertion order
+                cache[key] = cached
+            ids.extend(cached)
+        if add_generation_prompt:
+            ids.extend(self.encode(f"{START}assistant\n"))
+        return ids
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
@@ -118,11 +153,14 @@ class TextGenerator:
     stream starts with a word, so it never merges with the template's trailing newline.
     """
 
+    __slots__ = ("_tok", "_random", "_pending", "_after_word", "_after_punct")
+
     def __init__(self, tokenizer: Tokenizer, seed: int, request_key: str) -> None:
         self._tok = tokenizer
-        self._rng = random.Random(f"{seed}:{request_key}")
+        self._random = random.Random(f"{seed}:{request_key}").random
         self._pending: list[tuple[int, str]] = []
-        self._last = "space"
+        self._after_word = False
+        self._after_punct = False
 
     def next_token(self) -> tuple[int, str]:
         if not self._pending:
@@ -130,18 +168,21 @@ class TextGenerator:
         return self._pending.pop()
 
     def _refill(self) -> None:
-        rng = self._rng
-        if self._last in ("space", "newline"):
-            word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((1, 1, 2, 2, 3))))
-            unit, self._last = word, "word"
-        elif self._last == "word":
-            if rng.random() < 0.85:
-                unit, self._last = " ", "space"
+        r = self._random
+        tok = self._tok
+        if self._after_word:
+            self._after_word = False
+            if r() < 0.85:
+                unit = " "
             else:
-                unit, self._last = rng.choice(_PUNCT), "punct"
-        elif rng.random() < 0.8:
-            unit, self._last = " ", "space"
+                unit = _PUNCT[int(r() * len(_PUNCT))]
+                self._after_punct = True
+        elif self._after_punct:
+            self._after_punct = False
+            unit = " " if r() < 0.8 else "\n"
         else:
-            unit, self._last = "\n", "newline"
-        pieces = self._tok.pieces(unit)
-        self._pending = [(self._tok.piece_id(p), p) for p in reversed(pieces)]
+            x = r()
+            n = 1 if x < 0.4 else 2 if x < 0.8 else 3
+            unit = "".join(_SYLLABLES[int(r() * len(_SYLLABLES))] for _ in range(n))
+            self._after_word = True
+        self._pending = tok.unit_tokens(unit)[:]
