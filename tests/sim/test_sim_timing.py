@@ -83,3 +83,18 @@ async def test_engine_decode_step_at_batch_64(
 async def drain(handle: object) -> None:
     async for _ in handle:  # type: ignore[attr-defined]
         pass
+
+
+async def test_frontend_delay_scales_with_prompt_and_can_be_aborted(
+    autojump_clock: MockClock, start_engine: Start
+) -> None:
+    engine = await start_engine(SimConfig(c_prep_us=10.0))
+    handle = engine.submit(token_prompt(1, 1000), max_tokens=1, ignore_eos=True)
+    [out] = [o async for o in handle]
+    prefill = prefill_seconds(H100, 1000, 8192)
+    assert out.time - out.arrival_time == pytest.approx(0.010 + prefill, rel=1e-9)
+    doomed = engine.submit(token_prompt(2, 1000), max_tokens=1, request_id="gone")
+    engine.abort("gone")
+    await trio.sleep(0.1)
+    assert engine.scheduler.stats.steps == 1
+    assert [o.finish_reason for o in doomed] == ["abort"]

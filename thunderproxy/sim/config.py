@@ -38,6 +38,9 @@ class TimingProfile:
     kv_capacity_tokens: int
     block_size: int = 16
     description: str = ""
+    # Frontend cost per prompt token (tokenization, template rendering) before a request
+    # reaches the engine; 0 in the §5 profiles, which model the GPU only.
+    c_prep_us: float = 0.0
 
 
 def _profile(
@@ -50,10 +53,11 @@ def _profile(
     c_attn_ns: float,
     kv_capacity_tokens: int,
     description: str,
+    c_prep_us: float = 0.0,
 ) -> TimingProfile:
     return TimingProfile(
         name, t_fixed_ms, t_w_ms, c_tok_us, n0, c_kv_ns, c_attn_ns, kv_capacity_tokens,
-        description=description,
+        description=description, c_prep_us=c_prep_us,
     )  # fmt: skip
 
 
@@ -71,8 +75,8 @@ PROFILES: dict[str, TimingProfile] = {
                  "Llama-3.1-70B BF16, TP8 on H100"),
         # Fitted by `python -m thunderproxy.sim.calibrate` to the ThunderAgent SWE-agent
         # runs (GLM-4.5-FP8 on vLLM at 1/4/32 agents); docs/SIMULATOR.md has the fit.
-        _profile("glm45-swe",  4.0, 16.0, 60.0, 128, 60.0, 1.2,   640_000,
-                 "fitted to ../shared/traces/thunderagent_* (GLM-4.5-FP8)"),
+        _profile("glm45-swe",  2.0, 10.0, 15.0, 128, 50.0, 1.4, 1_500_000,
+                 "fitted to ../shared/traces/thunderagent_* (GLM-4.5-FP8)", c_prep_us=6.0),
     )
 }  # fmt: skip
 
@@ -166,6 +170,11 @@ class SimConfig:
     )
     c_kv_ns: float | None = _knob(None, "Decode KV read per context token (ns).", group="timing")
     c_attn_ns: float | None = _knob(None, "Prefill attention per token pair (ns).", group="timing")
+    c_prep_us: float | None = _knob(
+        None,
+        "Frontend delay per prompt token before the engine sees a request (µs).",
+        group="timing",
+    )
     time_scale: float = _knob(
         1.0, "Wall seconds per simulated second (0.1 runs ten times faster).", group="timing"
     )
@@ -222,7 +231,15 @@ class SimConfig:
         base = PROFILES[self.profile]
         overrides = {
             name: getattr(self, name)
-            for name in ("t_fixed_ms", "t_w_ms", "c_tok_us", "n0", "c_kv_ns", "c_attn_ns")
+            for name in (
+                "t_fixed_ms",
+                "t_w_ms",
+                "c_tok_us",
+                "n0",
+                "c_kv_ns",
+                "c_attn_ns",
+                "c_prep_us",
+            )
             if getattr(self, name) is not None
         }
         return dataclasses.replace(base, **overrides) if overrides else base

@@ -7,6 +7,8 @@ iterate the returned handle for per-step outputs; no HTTP is involved here.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import random
 from collections import deque
@@ -136,6 +138,9 @@ class Engine:
         self.handles: dict[str, RequestHandle] = {}
         self.trace: deque[tuple[Any, ...]] = deque(maxlen=20_000)
         self.profile = cfg.timing
+        # Requests still in the "frontend" (c_prep_us): (ready time, seq, request).
+        self._arrivals: list[tuple[float, int, SimRequest]] = []
+        self._seq = itertools.count()
 
     # --- time --------------------------------------------------------------------------
     def now(self) -> float:
@@ -191,7 +196,11 @@ class Engine:
         )
         handle = RequestHandle(request)
         self.handles[request_id] = handle
-        self.scheduler.add_request(request)
+        prep = self.profile.c_prep_us * 1e-6 * len(request.prompt_token_ids)
+        if prep > 0:
+            heapq.heappush(self._arrivals, (request.arrival_time + prep, next(self._seq), request))
+        else:
+            self.scheduler.add_request(request)
         self._wakeup.set()
         return handle
 
@@ -272,8 +281,15 @@ class Engine:
         nominal = mark = trio.current_time()
         while True:
             sched = self.scheduler
+            if self._arrivals:
+                self._admit_arrivals()
             if self.dead or self.sleeping or not sched.has_work():
-                await self._wakeup.wait()
+                if self._arrivals and not (self.dead or self.sleeping):
+                    ready = self._origin + self._arrivals[0][0] * self.config.time_scale
+                    with trio.move_on_at(ready):
+                        await self._wakeup.wait()
+                else:
+                    await self._wakeup.wait()
                 self._wakeup = trio.Event()
                 nominal = mark = trio.current_time()
                 continue
@@ -294,6 +310,13 @@ class Engine:
             results = sched.complete_step(plan)
             self._record_step(plan, start_sim, dt)
             self._emit(results, self.now())
+
+    def _admit_arrivals(self) -> None:
+        now = self.now()
+        while self._arrivals and self._arrivals[0][0] <= now:
+            request = heapq.heappop(self._arrivals)[2]
+            if request.status is Status.WAITING:  # not aborted while in the frontend
+                self.scheduler.add_request(request)
 
     def _step_duration(self, plan: StepPlan) -> float:
         shape = batch_shape((s.num_new, s.start, s.is_decode) for s in plan.scheduled)
