@@ -97,4 +97,4 @@ async def test_frontend_delay_scales_with_prompt_and_can_be_aborted(
     engine.abort("gone")
     await trio.sleep(0.1)
     assert engine.scheduler.stats.steps == 1
-    assert [o.finish_reason for o in doomed] == ["abort"]
+    assert [o.finish_reason async for o in doomed] == ["abort"]
