@@ -16,8 +16,9 @@ from urllib.parse import parse_qs
 
 import trio
 
-from . import exposition, truth
+from . import exposition
 from .config import SimConfig
+from .control import dev_mode_routes, sim_routes
 from .engine import Engine, EngineDeadError, QueueFullError, RequestHandle
 from .protocol import APIError, GenerateRequest, error_body, parse_generate, validation_error
 from .responses import ResponseBuilder, dumps, models_body
@@ -32,12 +33,6 @@ JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 BUSY = "The engine is currently busy, please retry later."
-# Fields of SimConfig that shape the pool or tokenizer: changing one resets the engine.
-STRUCTURAL = {
-    "block_size", "num_gpu_blocks", "kv_capacity_tokens", "max_model_len", "vocab_size",
-    "chars_per_token", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
-    "long_prefill_token_threshold", "scheduling_policy", "profile", "personality",
-}  # fmt: skip
 
 
 class Disconnected(Exception):
@@ -121,12 +116,7 @@ class SimApp:
             "/tokenize": {"POST": self._tokenize},
             "/detokenize": {"POST": self._detokenize},
             "/metrics": {"GET": self._metrics},
-            "/_sim/state": {"GET": self._sim_state},
-            "/_sim/trace": {"GET": self._sim_trace},
-            "/_sim/reset": {"POST": self._sim_reset},
-            "/_sim/kill": {"POST": self._sim_kill},
-            "/_sim/revive": {"POST": self._sim_revive},
-            "/_sim/config": {"GET": self._sim_config, "POST": self._sim_config},
+            **sim_routes(self),
         }
         if cfg.personality == "sglang":
             routes.update(sglang_routes(self))
@@ -140,14 +130,7 @@ class SimApp:
                 }
             )
             if cfg.dev_mode:
-                routes.update(
-                    {
-                        "/reset_prefix_cache": {"POST": self._reset_prefix_cache},
-                        "/sleep": {"POST": self._sleep},
-                        "/wake_up": {"POST": self._wake_up},
-                        "/is_sleeping": {"GET": self._is_sleeping},
-                    }
-                )
+                routes.update(dev_mode_routes(self))
         self.routes = routes
 
     async def wait_idle(self) -> None:
@@ -249,65 +232,6 @@ class SimApp:
             )
         text = self.engine.tokenizer.decode(tokens, skip_special_tokens=False)
         await respond_json(request.send, 200, {"prompt": text})
-
-    # --- dev mode ----------------------------------------------------------------------
-    async def _reset_prefix_cache(self, request: Request) -> None:
-        await respond_json(request.send, 200, {"success": self.engine.pool.reset_prefix_cache()})
-
-    async def _sleep(self, request: Request) -> None:
-        self.engine.set_sleeping(True)
-        self.engine.pool.reset_prefix_cache()
-        await respond(request.send, 200, b"")
-
-    async def _wake_up(self, request: Request) -> None:
-        self.engine.set_sleeping(False)
-        await respond(request.send, 200, b"")
-
-    async def _is_sleeping(self, request: Request) -> None:
-        await respond_json(request.send, 200, {"is_sleeping": self.engine.sleeping})
-
-    # --- simulator truth and control ---------------------------------------------------
-    async def _sim_state(self, request: Request) -> None:
-        await respond_json(request.send, 200, truth.state(self.engine))
-
-    async def _sim_trace(self, request: Request) -> None:
-        last = request.query.get("last")
-        records = truth.trace(self.engine, int(last[0]) if last else None)
-        await respond_json(request.send, 200, {"steps": records})
-
-    async def _sim_reset(self, request: Request) -> None:
-        self.engine.reset()
-        await respond_json(request.send, 200, {"success": True})
-
-    async def _sim_kill(self, request: Request) -> None:
-        self.engine.kill()
-        await respond_json(request.send, 200, {"success": True})
-
-    async def _sim_revive(self, request: Request) -> None:
-        self.engine.revive()
-        await respond_json(request.send, 200, {"success": True})
-
-    async def _sim_config(self, request: Request) -> None:
-        if request.scope["method"] == "POST":
-            changes = await request.json()
-            if not isinstance(changes, dict):
-                raise validation_error(
-                    "dict_type", "body", "Input should be a valid dictionary", changes
-                )
-            names = {f.name for f in dataclasses.fields(SimConfig)}
-            unknown = sorted(set(changes) - names)
-            if unknown:
-                raise APIError(400, f"unknown config fields: {unknown}", "BadRequestError", "body")
-            try:
-                new = self.config.replace(**changes)
-            except (TypeError, ValueError) as exc:
-                raise APIError(400, str(exc), "BadRequestError", "body") from None
-            if STRUCTURAL & set(changes):
-                self.engine.reset(new)
-            else:
-                self.engine.config = new
-                self.engine.profile = new.timing
-        await respond_json(request.send, 200, dataclasses.asdict(self.config))
 
     # --- generation --------------------------------------------------------------------
     async def _chat(self, request: Request) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 COMPAT_VERSIONS = ("current", "0.8", "0.9", "0.10", "0.11")
 PERSONALITIES = ("vllm", "sglang")
@@ -89,6 +89,8 @@ def _knob(default: Any, help: str, *, group: str, flag: str | None = None, **ext
 class SimConfig:
     """All settings of one simulated backend. Build with keywords; every field has a default."""
 
+    PROFILES: ClassVar[dict[str, TimingProfile]] = PROFILES
+
     # identity
     served_model_name: str = _knob(
         "meta-llama/Llama-3.1-8B-Instruct",
@@ -111,7 +113,8 @@ class SimConfig:
     )
     num_gpu_blocks: int | None = _knob(
         None,
-        "KV blocks in the pool, the null block included (default: the profile's).",
+        "KV blocks in the pool, the null block included (default: profile's KV tokens // "
+        "block size).",
         group="engine",
     )
     kv_capacity_tokens: int | None = _knob(

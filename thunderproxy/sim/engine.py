@@ -365,45 +365,17 @@ class Engine:
         rec = self.recorder
         for result in results:
             req = result.request
-            if req.first_token_time is None:
-                req.first_token_time = now
-                rec.ttft.observe(now - req.arrival_time)
-            elif req.last_token_time is not None:
-                rec.itl.observe(now - req.last_token_time)
-            req.last_token_time = now
+            rec.token(req, now)
             handle = self.handles.get(req.request_id)
             reason = None
             if result.finished:
                 reason = req.finish_reason
                 req.finished_time = now
-                self._record_finish(req, now)
+                self.recorder.finish(req, now)
                 self.handles.pop(req.request_id, None)
             if handle is not None:
                 token_ids = () if result.token_id is None else (result.token_id,)
                 handle._push(self._output(req, token_ids, result.text, reason, now))
-
-    def _record_finish(self, req: SimRequest, now: float) -> None:
-        rec = self.recorder
-        first_sched = req.first_scheduled_time if req.first_scheduled_time is not None else now
-        first_token = req.first_token_time if req.first_token_time is not None else now
-        n_out = len(req.output_token_ids)
-        rec.e2e.observe(now - req.arrival_time)
-        rec.queue.observe(first_sched - req.arrival_time)
-        rec.prefill.observe(first_token - first_sched)
-        rec.decode.observe(now - first_token)
-        rec.inference.observe(now - first_sched)
-        rec.prompt_tokens.observe(req.num_prompt_tokens)
-        rec.generation_tokens.observe(n_out)
-        rec.max_num_generation_tokens.observe(req.max_tokens)
-        rec.params_max_tokens.observe(req.max_tokens)
-        rec.params_n.observe(1)
-        rec.num_preemptions.observe(req.num_preemptions)
-        uncached = req.num_prompt_tokens - max(req.num_cached_tokens, 0)
-        rec.prefill_kv_computed.observe(uncached)
-        rec.uncached_prompt_tokens.observe(uncached)
-        if n_out > 1:
-            rec.request_tpot.observe((now - first_token) / (n_out - 1))
-        rec.finished[req.finish_reason or "stop"] += 1
 
     def _output(
         self,
@@ -425,28 +397,6 @@ class Engine:
             arrival_time=req.arrival_time,
             num_preemptions=req.num_preemptions,
         )
-
-    # --- simulator truth ---------------------------------------------------------------
-    def request_states(self) -> list[dict[str, Any]]:
-        out = []
-        for status, reqs in (
-            ("running", self.scheduler.running),
-            ("waiting", list(self.scheduler.waiting)),
-        ):
-            for r in reqs:
-                out.append(
-                    {
-                        "request_id": r.request_id,
-                        "program": r.program,
-                        "status": status if r.status is not Status.PREEMPTED else "preempted",
-                        "num_prompt_tokens": r.num_prompt_tokens,
-                        "num_tokens": r.num_tokens,
-                        "num_computed_tokens": r.num_computed_tokens,
-                        "num_blocks": len(r.blocks),
-                        "num_preemptions": r.num_preemptions,
-                    }
-                )
-        return out
 
 
 def sample_length(spec: str, seed: int, request_id: str) -> int:

@@ -8,6 +8,10 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .scheduler import SimRequest
 
 REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
@@ -94,3 +98,35 @@ class Recorder:
         self.busy_nominal_wall_seconds = 0.0
         self.max_lag_seconds = 0.0
         self.lag_seconds = 0.0
+
+    def token(self, req: SimRequest, now: float) -> None:
+        """A request emitted a token at simulated time `now`."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.ttft.observe(now - req.arrival_time)
+        elif req.last_token_time is not None:
+            self.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+
+    def finish(self, req: SimRequest, now: float) -> None:
+        """Per-request histograms, observed once when the request finishes."""
+        first_sched = req.first_scheduled_time if req.first_scheduled_time is not None else now
+        first_token = req.first_token_time if req.first_token_time is not None else now
+        n_out = len(req.output_token_ids)
+        self.e2e.observe(now - req.arrival_time)
+        self.queue.observe(first_sched - req.arrival_time)
+        self.prefill.observe(first_token - first_sched)
+        self.decode.observe(now - first_token)
+        self.inference.observe(now - first_sched)
+        self.prompt_tokens.observe(req.num_prompt_tokens)
+        self.generation_tokens.observe(n_out)
+        self.max_num_generation_tokens.observe(req.max_tokens)
+        self.params_max_tokens.observe(req.max_tokens)
+        self.params_n.observe(1)
+        self.num_preemptions.observe(req.num_preemptions)
+        uncached = req.num_prompt_tokens - max(req.num_cached_tokens, 0)
+        self.prefill_kv_computed.observe(uncached)
+        self.uncached_prompt_tokens.observe(uncached)
+        if n_out > 1:
+            self.request_tpot.observe((now - first_token) / (n_out - 1))
+        self.finished[req.finish_reason or "stop"] += 1

@@ -56,7 +56,7 @@ def state(engine: Engine, *, free_queue_sample: int = 16) -> dict[str, Any]:
         },
         "running": [r.request_id for r in sched.running],
         "waiting": [r.request_id for r in sched.waiting],
-        "requests": engine.request_states(),
+        "requests": request_states(engine),
         "preemptions": [{"time": t, "request_id": rid} for t, rid in sched.preemption_log],
         "programs": programs,
         "counters": {
@@ -78,6 +78,26 @@ def state(engine: Engine, *, free_queue_sample: int = 16) -> dict[str, Any]:
             "max_lag_seconds": rec.max_lag_seconds,
         },
     }
+
+
+def request_states(engine: Engine) -> list[dict[str, Any]]:
+    out = []
+    sched = engine.scheduler
+    for status, reqs in (("running", sched.running), ("waiting", list(sched.waiting))):
+        for r in reqs:
+            out.append(
+                {
+                    "request_id": r.request_id,
+                    "program": r.program,
+                    "status": "preempted" if r.num_preemptions and status == "waiting" else status,
+                    "num_prompt_tokens": r.num_prompt_tokens,
+                    "num_tokens": r.num_tokens,
+                    "num_computed_tokens": r.num_computed_tokens,
+                    "num_blocks": len(r.blocks),
+                    "num_preemptions": r.num_preemptions,
+                }
+            )
+    return out
 
 
 def _block(block: Any) -> dict[str, Any]:
