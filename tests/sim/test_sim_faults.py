@@ -8,8 +8,9 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from conftest import SMALL
 
-from thunderproxy.sim import Simulator
+from thunderproxy.sim import SimConfig, Simulator, open_simulator
 
 REAL_TIME = {"time_scale": 1.0}
 LONG = {"prompt": list(range(100, 400)), "max_tokens": 1000, "ignore_eos": True}
@@ -155,3 +156,27 @@ async def test_sim_config_reset_and_trace(client: httpx.AsyncClient, sim: Simula
     await client.post("/v1/completions", json={**LONG, "max_tokens": 1})
     assert (await client.post("/_sim/reset")).json() == {"success": True}
     assert (await client.get("/_sim/state")).json()["counters"]["prompt_tokens"] == 0
+
+
+async def test_open_simulator_exits_promptly_with_streams_in_flight() -> None:
+    config = SimConfig(**{**SMALL, "time_scale": 1.0})  # type: ignore[arg-type]
+    lines: list[str] = []
+
+    async def stream(client: httpx.AsyncClient, url: str) -> None:
+        body = {**LONG, "stream": True}
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line:
+                    lines.append(line)
+
+    async with httpx.AsyncClient() as client, trio.open_nursery() as nursery:
+        async with open_simulator(config) as sim:
+            nursery.start_soon(stream, client, sim.url)
+            with trio.fail_after(5):
+                while not lines:
+                    await trio.sleep(0.01)
+            start = trio.current_time()
+        assert trio.current_time() - start < 2.0
+    # The in-flight stream was failed like a dead engine, then closed properly.
+    assert lines[-1] == "data: [DONE]"
+    assert '"InternalServerError"' in lines[-2]

@@ -7,6 +7,7 @@ of the whole chunk dict per token would be most of the CPU.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -192,7 +193,8 @@ def models_body(config: SimConfig, created: int, root: str) -> dict[str, Any]:
     if config.personality == "vllm":
         card["permission"] = [
             {
-                "id": "modelperm-" + format(abs(hash(("perm", config.seed))) % 2**64, "016x"),
+                "id": "modelperm-"
+                + hashlib.blake2b(config.served_model_name.encode(), digest_size=8).hexdigest(),
                 "object": "model_permission",
                 "created": created,
                 "allow_create_engine": False,
