@@ -286,3 +286,23 @@ async def test_idle_programs_are_retired_by_the_monitor(
     assert "forgotten" not in sched.registry
     transitions = [r.transition for r in harness.records() if isinstance(r, TransitionRecord)]
     assert transitions[-1].reason == "retired: idle lease expired"
+
+
+async def test_a_resumed_program_is_not_paused_again_before_its_call_goes_out(
+    harness: Harness, autojump_clock: trio.testing.MockClock
+) -> None:
+    sched = harness.scheduler
+    await harness.step("hog", 9_000)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(harness.step, "w", 5_000))
+        await trio.sleep(1)
+        waiting = sched.registry.get("w")
+        assert waiting.status is ProgramStatus.PAUSED
+        sched.release("hog")  # w is resumed; its request has not gone out yet
+        assert waiting.status is ProgramStatus.ACTING
+        # Before the woken request runs, capacity shrinks and another rebalance comes by:
+        # the idle-looking w must not be its victim, its call is about to go out.
+        harness.pool.get(B0).snapshot = snapshot(3_000)  # type: ignore[union-attr]
+        sched.rebalance(trio.current_time())
+        assert waiting.status is ProgramStatus.ACTING
+    assert waiting.step_count == 1

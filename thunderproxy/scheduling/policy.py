@@ -110,7 +110,10 @@ def decay(idle_s: float, half_life_s: float) -> float:
 
 def weight(p: ProgramView, cfg: PolicyConfig, now: float) -> int:
     """The program's expected claim on KV tokens right now."""
-    if p.status is ProgramStatus.REASONING:
+    if p.status is ProgramStatus.REASONING or (
+        p.status is ProgramStatus.ACTING and p.waiting_since is not None
+    ):
+        # An acting program whose request waits was just resumed: its call is about to go out.
         return p.tokens + cfg.decode_buffer
     if p.status is ProgramStatus.ACTING:
         idle = 0.0 if p.acting_since is None else now - p.acting_since
@@ -207,7 +210,11 @@ def enforce(
     decisions: list[Decision] = []
     movable = [p for p in mine if not p.marked and p.protected_until <= now]
     acting = sorted(
-        (p for p in movable if p.status is ProgramStatus.ACTING and p.in_flight == 0),
+        (
+            p
+            for p in movable
+            if p.status is ProgramStatus.ACTING and p.in_flight == 0 and p.waiting_since is None
+        ),
         key=lambda p: (p.acting_since or now, -p.tokens),
     )
     for p in acting:

@@ -221,8 +221,11 @@ class Scheduler:
         program = self.registry.find(program_id)
         if program is None:
             program = self._admit(program_id, arrived_at, context_chars)
-        if program.status is ProgramStatus.PAUSED:
+        # A loop, not an if: between its resume and this task running again, a program could be
+        # paused anew by another task's rebalance (the policy avoids it, this makes it certain).
+        while program.status is ProgramStatus.PAUSED:
             await self._wait_for_resume(program, arrived_at)
+        program.waiting_since = None
         backend = self.place(program)
         now = self._now()
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
@@ -311,8 +314,7 @@ class Scheduler:
             waiters.remove(waiter)
         if not waiters:
             self._waiters.pop(program.program_id, None)
-            if program.status is ProgramStatus.PAUSED:
-                program.waiting_since = None
+            program.waiting_since = None
 
     def _wake(self, program_id: str, error: Exception | None = None) -> None:
         for waiter in self._waiters.pop(program_id, []):
@@ -484,10 +486,11 @@ class Scheduler:
             program.marked_for_pause = True
             self.schedule_of(decision.backend or "").last_pause_at = now
         elif action in (Action.RESUME, Action.MIGRATE, Action.FORCE_RESUME):
+            # waiting_since stays set until the woken request's step begins: until then the
+            # program is about to reason, so it is weighed as such and not paused again.
             self.registry.resume(
                 program, now, backend=decision.target_backend, reason=f"resumed: {decision.rule}"
             )
-            program.waiting_since = None
             if action is Action.FORCE_RESUME:
                 program.protected_until = now + self.config.resume_protection_s
             else:
