@@ -132,6 +132,12 @@ SETTINGS: tuple[Setting, ...] = (
         "tr: fraction of each backend's KV capacity the scheduler plans to fill.",
     ),
     Setting(
+        "gate_returns",
+        True,
+        "tr: an acting program whose next call would overflow its backend waits for room "
+        "instead of pushing the engine into preemptions.",
+    ),
+    Setting(
         "monitor_interval",
         1.0 * SECONDS,
         "Seconds between runs of the resume monitor (resumes, forced resumes, idle leases).",
@@ -208,6 +214,7 @@ class Settings:
     resume_protection: float = 30.0
     idle_lease: float = 600.0
     target_fill: float = 0.95
+    gate_returns: bool = True
     monitor_interval: float = 1.0
     restore: bool = True
     datasette: bool = True
@@ -239,6 +246,7 @@ class Settings:
             idle_lease_s=self.idle_lease,
             target_fill=self.target_fill,
             max_queue_wait_s=self.max_queue_wait,
+            gate_returns=self.gate_returns,
         )
 
 

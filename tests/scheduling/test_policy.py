@@ -188,3 +188,18 @@ def test_idle_lease_retires_programs_never_released() -> None:
 def test_target_fill_scales_the_limit(fill: float) -> None:
     cfg = PolicyConfig(target_fill=fill)
     assert policy.limit(backend(10_000), cfg) == int(10_000 * fill)
+
+
+def test_a_returning_program_that_would_overflow_waits() -> None:
+    others = [prog("r", R, 6_000)]
+    back = prog("back", A, 3_000, acting_since=0.0)
+    fits = policy.on_return(back, backend(10_000), [*others, back], CFG, now=5.0)
+    assert (fits.action, fits.rule) == (Action.ADMIT, "fits")
+    big = replace(back, tokens=5_000)
+    waits = policy.on_return(big, backend(10_000), [*others, big], CFG, now=5.0)
+    assert (waits.action, waits.rule) == (Action.PAUSE, "no_room_on_return")
+    assert waits.used_tokens == 6_000  # its own acting weight is not counted twice
+    protected = replace(big, protected_until=10.0)
+    assert policy.on_return(protected, backend(10_000), [*others], CFG, now=5.0).action is (
+        Action.ADMIT
+    )

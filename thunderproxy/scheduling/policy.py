@@ -54,6 +54,8 @@ class PolicyConfig:
     target_fill: float = 0.95
     #: 0: newcomers always queue; else a newcomer expected to wait longer is refused (429).
     max_queue_wait_s: float = 0.0
+    #: A returning program whose call would overflow its backend waits for room.
+    gate_returns: bool = True
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,32 @@ def admit(
     if used + need > cap:
         return _decision(Action.QUEUE, p, "capacity_full", b, cfg, now, used, queue_position=0)
     return _decision(Action.ADMIT, p, "fits", b, cfg, now, used)
+
+
+def on_return(
+    p: ProgramView,
+    b: BackendView,
+    programs: Sequence[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+) -> Decision:
+    """An acting program's next call arrived: may it reason now, or does it wait for room?
+
+    Letting every returning program through is how the engine ends up preempting: programs
+    that were idle at the same time come back at the same time. A program that would overflow
+    the backend waits like a paused one (its wait counts from now, so it is served in order).
+    """
+    cap = limit(b, cfg)
+    others = [q for q in programs if q.program_id != p.program_id]
+    used = used_tokens(b, others, cfg, now)
+    if cap is None:
+        return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, used)
+    if p.protected_until > now:
+        return _decision(Action.ADMIT, p, "protected", b, cfg, now, used)
+    need = p.tokens + cfg.decode_buffer - (b.shared_prefix_tokens if used else 0)
+    if used + need <= cap:
+        return _decision(Action.ADMIT, p, "fits", b, cfg, now, used)
+    return _decision(Action.PAUSE, p, "no_room_on_return", b, cfg, now, used)
 
 
 def enforce(

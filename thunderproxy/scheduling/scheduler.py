@@ -221,6 +221,8 @@ class Scheduler:
         program = self.registry.find(program_id)
         if program is None:
             program = self._admit(program_id, arrived_at, context_chars)
+        elif self.scheduling_enabled and self.config.gate_returns:
+            self._gate_return(program, arrived_at, context_chars)
         # A loop, not an if: between its resume and this task running again, a program could be
         # paused anew by another task's rebalance (the policy avoids it, this makes it certain).
         while program.status is ProgramStatus.PAUSED:
@@ -243,6 +245,26 @@ class Scheduler:
         if self.scheduling_enabled:
             self.rebalance(now, backends=[backend.url])
         return lease
+
+    def _gate_return(self, program: Program, arrived_at: float, context_chars: int) -> None:
+        """Pause a returning program now if its call would overflow its backend."""
+        if program.status is not ProgramStatus.ACTING or program.in_flight:
+            return
+        backend = self.pool.get(program.backend)
+        if backend is None or not backend.healthy:
+            return  # placement moves it first; the new backend's own rebalance follows
+        cpt = program.chars_per_token if program.prompt_tokens_total else None
+        estimate = int(context_chars / (cpt or self._chars_per_token or DEFAULT_CHARS_PER_TOKEN))
+        view = replace(self.program_view(program), tokens=max(program.total_tokens, estimate))
+        views = {v.url: v for v in self.backend_views()}
+        now = self._now()
+        decision = policy.on_return(
+            view, views[backend.url], self.program_views(), self.config, now
+        )
+        if decision.action is Action.PAUSE:
+            self._log(decision, now)
+            self.registry.pause(program, now, reason=f"paused: {decision.rule}")
+            program.waiting_since = arrived_at
 
     def _admit(self, program_id: str, arrived_at: float, context_chars: int) -> Program:
         """A program's first call: admitted as REASONING, or queued (PAUSED) in tr mode."""
