@@ -1,0 +1,78 @@
+"""Bench options: targets, settings of the bench's own proxy, simulator configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bench.synthetic import thunderagent_rows
+from thunderproxy.bench import workload
+from thunderproxy.bench.config import (
+    BenchConfig,
+    parse_int_list,
+    parse_settings,
+    parse_targets,
+)
+from thunderproxy.errors import ConfigError
+from thunderproxy.sim import PROFILES
+
+
+def test_targets_are_named_or_urls() -> None:
+    assert parse_targets("direct, tr,http://127.0.0.1:9000/") == (
+        "direct",
+        "tr",
+        "http://127.0.0.1:9000",
+    )
+    with pytest.raises(ConfigError, match="'fast' is not one of"):
+        parse_targets("fast")
+    with pytest.raises(ConfigError, match="at least one"):
+        parse_targets(" , ")
+
+
+def test_lists_and_settings_are_validated_before_anything_starts() -> None:
+    assert parse_int_list("16,32", flag="--sweep") == (16, 32)
+    with pytest.raises(ConfigError, match="--sweep"):
+        parse_int_list("16,x", flag="--sweep")
+    assert parse_settings(["pause_cooldown=2", "max-wait=60"]) == {
+        "pause_cooldown": 2.0,
+        "max_wait": 60.0,
+    }
+    with pytest.raises(ConfigError, match="NAME=VALUE"):
+        parse_settings(["nonsense=1"])
+    with pytest.raises(ConfigError, match="target-fill"):
+        parse_settings(["target_fill=2"])
+
+
+def test_real_time_proxies_keep_their_cooldowns_in_simulated_seconds() -> None:
+    config = BenchConfig(proxy_settings={"pause_cooldown": 2.0})
+    settings = config.settings("tr", scale=0.1)
+    assert settings.router == "tr"
+    assert settings.pause_cooldown == pytest.approx(0.2)
+    assert settings.metrics_interval == pytest.approx(0.5)
+    assert settings.restore is False
+    assert config.settings("default").pause_cooldown == 2.0
+
+
+def test_the_oracle_holds_every_token_and_the_others_the_asked_capacity() -> None:
+    w = workload.thunderagent(thunderagent_rows(programs=3, steps=3))
+    config = BenchConfig(kv_tokens=50_000)
+    assert config.kv_for(w, "tr") == 50_000
+    assert config.kv_for(w, "oracle") >= w.no_eviction_tokens()
+    assert BenchConfig().kv_for(w, "direct") == PROFILES["glm45-swe"].kv_capacity_tokens
+    sim = config.sim_config(w, "direct", time_scale=0.5)
+    assert sim.enable_prompt_tokens_details
+    assert sim.time_scale == 0.5
+    assert sim.max_model_len > w.max_context_tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"targets": ("http://x:1",), "virtual": True}, "real time", id="url-virtual"),
+        pytest.param({"backends": 2, "backend_ports": (8001,)}, "one port", id="ports"),
+        pytest.param({"arrivals": "poisson"}, "--rate", id="poisson-rate"),
+        pytest.param({"profile": "tpu"}, "--profile", id="profile"),
+    ],
+)
+def test_inconsistent_options_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        BenchConfig(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,76 @@
+"""Figures from what the agents recorded and what the simulator says, pure."""
+
+from __future__ import annotations
+
+import pytest
+
+from thunderproxy.bench import figures
+from thunderproxy.bench.agent import ProgramLog, RunLog, StepLog
+
+
+def step(program: str, n: int, sent: float, first: float, done: float, **kw: object) -> StepLog:
+    values: dict[str, object] = {
+        "program_id": program, "step": n, "attempt": 1, "sent_at": sent,
+        "finished_at": done, "first_token_at": first, "prompt_tokens": 1000,
+        "output_tokens": 10, "reusable_tokens": 0, "status": 200,
+        "completion_tokens": 10, "cached_tokens": None,
+    }  # fmt: skip
+    values.update(kw)
+    return StepLog(**values)  # type: ignore[arg-type]
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert figures.percentile([], 50) is None
+    assert figures.percentile([3.0], 99) == 3.0
+    assert figures.percentile([1, 2, 3, 4], 50) == 2.5
+    assert figures.percentile(list(range(101)), 99) == pytest.approx(99.0)
+
+
+def test_figures_are_in_simulated_seconds_and_count_only_successes() -> None:
+    # Recorded at time scale 0.5: every trio second is two simulated seconds.
+    log = RunLog(time_scale=0.5, started_at=0.0, finished_at=30.0, exhausted_at=20.0)
+    log.programs = [
+        ProgramLog("a", arrived_at=0.0, started_at=0.0, finished_at=20.0, completed=True),
+        ProgramLog("b", arrived_at=0.0, started_at=0.0, finished_at=30.0, completed=False),
+    ]
+    log.steps = [
+        step("a", 1, 0.0, 1.0, 10.0),
+        step("a", 2, 12.0, 12.5, 20.0, reusable_tokens=2000, cached_tokens=1000),
+        step("b", 1, 0.0, 2.0, 30.0),
+        step("b", 2, 30.0, None, 30.0, status=500, error="boom"),
+    ]
+    truth = {"prefix_queries": 4000, "prefix_hits": 1000, "preemptions": 3}
+    f = figures.compute(log, truth, pause_time_s=5.0)
+    assert f["duration_s"] == 60.0
+    assert f["steps_per_min"] == pytest.approx(3.0)  # 3 successes in 60 simulated s
+    assert f["steps_per_min_busy"] == pytest.approx(2 / (40 / 60))
+    assert f["programs_completed"] == 1
+    assert f["errors"] == 1
+    assert f["prefix_hit_rate"] == 0.25
+    assert f["prefill_tokens"] == 3000
+    assert f["preemptions"] == 3
+    assert f["evicted_prefix_tokens"] == 2000 - 1000 - 32
+    assert f["program_time_p50_s"] == 40.0
+    assert f["pause_time_total_s"] == 10.0
+    assert f["ttft_p50_s"] == 2.0  # 1, 1 and 4 simulated seconds
+    assert f["output_tokens_per_s"] == pytest.approx(30 / 60)
+
+
+def test_truth_adds_up_backends_and_keeps_the_worst_lag() -> None:
+    states = [
+        {"counters": {"prefix_queries": 10, "preemptions": 1}, "clock": {"max_lag_seconds": 0.2}},
+        {"counters": {"prefix_queries": 5, "evictions": 4}, "clock": {"max_lag_seconds": 0.1}},
+    ]
+    totals = figures.sum_truth(states)
+    assert (totals["prefix_queries"], totals["preemptions"], totals["evictions"]) == (15, 1, 4)
+    assert totals["max_lag_s"] == 0.2
+
+
+def test_tables_show_every_result_side_by_side() -> None:
+    results = [{"target": "tr", "steps_per_min": 12.34, "errors": 0}, {"target": "default"}]
+    text = figures.table(results, keys=["steps_per_min", "errors"])
+    assert text.splitlines()[0].split() == ["figure", "tr", "default"]
+    assert "12.3" in text
+    assert "-" in text
+    md = figures.markdown(results, ["steps_per_min"])
+    assert md.splitlines()[2] == "| `steps_per_min` | 12.3 | - |"

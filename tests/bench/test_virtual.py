@@ -1,0 +1,135 @@
+"""Virtual-time runs: the real scheduler and the simulator engine on trio's MockClock.
+
+These are the small configuration of the default suite: a handful of synthetic programs on a
+KV cache that cannot hold them all, every target, in about a second of wall time.
+
+Each target runs in its own ``trio.run`` on a fresh MockClock (``virtual.run``), as the bench
+does: the simulator's frontend queue spins without end under a MockClock whose time is not 0
+when an engine starts (a float rounding in ``Engine.run``), so targets never share a clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import trio
+
+from tests.bench.synthetic import mooncake_rows, thunderagent_rows
+from thunderproxy.audit.records import DecisionRecord, StepRecord, TransitionRecord
+from thunderproxy.bench import virtual, workload
+from thunderproxy.bench.agent import BenchError
+from thunderproxy.bench.config import BenchConfig
+from thunderproxy.bench.workload import Workload
+
+SAME_IN_VIRTUAL_TIME = ("steps_per_min", "prefix_hit_rate", "program_time_p99_s", "preemptions")
+
+
+@pytest.fixture
+def agents_workload() -> Workload:
+    return workload.thunderagent(thunderagent_rows(programs=6, steps=5), shuffle=False)
+
+
+def tight(w: Workload, **kw: object) -> BenchConfig:
+    """A KV cache that holds one program and a half: two agents at once must contend."""
+    kv = int(w.max_context_tokens * 1.5)
+    return BenchConfig(virtual=True, concurrency=2, kv_tokens=kv, **kw)  # type: ignore[arg-type]
+
+
+def test_every_target_completes_the_workload(agents_workload: Workload) -> None:
+    config = tight(agents_workload)
+    results = {
+        t: virtual.run(agents_workload, config, t) for t in ("direct", "default", "tr", "oracle")
+    }
+    for result in results.values():
+        f = result.figures
+        assert f["programs_completed"] == 6
+        assert f["steps_completed"] == agents_workload.steps
+        assert f["errors"] == 0
+        assert f["steps_per_min"] > 0
+    oracle = results["oracle"].figures
+    assert oracle["evictions"] == 0
+    assert oracle["preemptions"] == 0
+    assert oracle["evicted_prefix_tokens"] == 0
+    assert oracle["prefix_hit_rate"] >= results["direct"].figures["prefix_hit_rate"]
+    assert results["direct"].figures["evictions"] > 0  # the tight cache did evict
+    # Without a network the default router changes nothing: it only proxies.
+    for key in SAME_IN_VIRTUAL_TIME:
+        assert results["default"].figures[key] == pytest.approx(results["direct"].figures[key])
+    assert results["direct"].figures["pause_time_total_s"] == 0
+
+
+def test_a_thunderproxy_target_keeps_its_audit_records(agents_workload: Workload) -> None:
+    result = virtual.run(agents_workload, tight(agents_workload), "tr")
+    steps = [r for r in result.audit_records if isinstance(r, StepRecord)]
+    assert len(steps) == agents_workload.steps
+    assert all(s.status == 200 and s.prompt_tokens for s in steps)
+    transitions = [r for r in result.audit_records if isinstance(r, TransitionRecord)]
+    stopped = {t.transition.program_id for t in transitions if t.transition.to_status == "stopped"}
+    assert len(stopped) == 6  # every program released at its end
+    assert any(isinstance(r, DecisionRecord) for r in result.audit_records)
+    assert result.proxy_settings["router"] == "tr"
+
+
+def test_virtual_runs_are_deterministic(agents_workload: Workload) -> None:
+    config = tight(agents_workload)
+    first = virtual.run(agents_workload, config, "tr").figures
+    second = virtual.run(agents_workload, config, "tr").figures
+    assert first == second
+
+
+def test_tool_gaps_are_scaled(agents_workload: Workload) -> None:
+    config = BenchConfig(virtual=True, concurrency=6, kv_tokens=200_000)
+    base = virtual.run(agents_workload, config, "direct")
+    slow = virtual.run(agents_workload, dataclasses.replace(config, gap_scale=10.0), "direct")
+    # Four gaps of 0.5-1.0 s per program: ten times longer adds about 9 x 3 s to each.
+    added = slow.figures["program_time_p50_s"] - base.figures["program_time_p50_s"]
+    assert 20 < added < 40
+
+
+def test_open_loop_sessions_start_at_their_recorded_times() -> None:
+    requests, sessions = mooncake_rows()
+    w = workload.mooncake(requests, sessions)
+    config = BenchConfig(virtual=True, concurrency=0, kv_tokens=100_000)
+    result = virtual.run(w, config, "tr")
+    assert result.figures["programs_completed"] == 2
+    sent = {(s.program_id, s.step): s.sent_at - result.log.started_at for s in result.log.steps}
+    assert sent[("mooncake/0", 1)] == 0.0
+    assert sent[("mooncake/1", 1)] == 1.0
+    assert sent[("mooncake/0", 2)] == pytest.approx(4.0)  # its recorded time: turn 1 was done
+    # The second turn of session 0 hits the three blocks it shares with its first turn.
+    second = next(s for s in result.log.steps if s.program_id == "mooncake/0" and s.step == 2)
+    assert second.cached_tokens is not None
+    assert second.cached_tokens >= 1500 - 16
+
+
+def test_poisson_arrivals(agents_workload: Workload) -> None:
+    config = BenchConfig(
+        virtual=True, concurrency=0, kv_tokens=200_000, arrivals="poisson", rate=0.05, seed=2
+    )
+    result = virtual.run(agents_workload, config, "direct")
+    arrivals = sorted(p.arrived_at for p in result.log.programs)
+    assert arrivals[0] == result.log.started_at
+    assert arrivals[-1] - arrivals[0] > 30  # six programs at one per 20 s
+    assert result.figures["programs_completed"] == 6
+
+
+def test_a_prompt_larger_than_the_cache_is_an_error_not_a_hang(agents_workload: Workload) -> None:
+    config = BenchConfig(virtual=True, concurrency=2, kv_tokens=1_024)
+    result = virtual.run(agents_workload.subset(2, 1), config, "direct")
+    assert result.figures["errors"] > 0
+    assert result.figures["programs_completed"] == 0
+
+
+def test_a_target_that_stops_making_progress_is_reported(
+    agents_workload: Workload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("thunderproxy.bench.agent.STALL_S", 60.0)
+    config = BenchConfig(virtual=True, concurrency=2, kv_tokens=200_000)
+    monkeypatch.setattr("thunderproxy.bench.transport.InProcessTransport._generate", _never_answers)
+    with pytest.raises(BenchError, match="No call ended for 60 simulated seconds"):
+        virtual.run(agents_workload, config, "direct")
+
+
+async def _never_answers(*_args: object, **_kw: object) -> None:
+    await trio.sleep_forever()

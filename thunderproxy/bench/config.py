@@ -1,0 +1,207 @@
+"""What one bench run is asked to do (:class:`BenchConfig`), and what follows from it: the
+simulated backends' configuration, the bench's own thunderproxy settings, the arrival schedule.
+Pure: nothing here starts anything."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import Settings, load_settings
+from ..errors import ConfigError
+from ..sim import PROFILES, SimConfig
+from .agent import ARRIVALS, Schedule
+from .workload import Workload
+
+#: Targets the bench runs itself; anything starting with http(s):// is an external proxy.
+TARGETS = ("direct", "default", "tr", "oracle")
+#: thunderproxy targets: the router each one runs.
+PROXY_ROUTERS = {"default": "default", "tr": "tr"}
+#: thunderproxy settings in seconds: scaled by the time scale in real-time runs, so that the
+#: proxy's cooldowns and intervals stay the same in simulated seconds.
+TIME_SETTINGS = (
+    "metrics_interval",
+    "monitor_interval",
+    "pause_cooldown",
+    "resume_cooldown",
+    "acting_half_life",
+    "max_wait",
+    "resume_protection",
+    "idle_lease",
+)
+DEFAULT_PROFILE = "glm45-swe"
+DEFAULT_CONCURRENCY = 16
+DEFAULT_MODEL = SimConfig().served_model_name
+
+
+def parse_targets(value: str | Sequence[str]) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    targets = []
+    for raw in items:
+        item = raw.strip().rstrip("/")
+        if not item:
+            continue
+        if item not in TARGETS and not item.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"--target {item!r} is not one of {', '.join(TARGETS)} or an http(s) URL."
+            )
+        targets.append(item)
+    if not targets:
+        raise ConfigError("--target needs at least one of direct, default, tr, oracle or a URL.")
+    return tuple(targets)
+
+
+def parse_int_list(value: str | None, *, flag: str) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        items = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated integers, got {value!r}.") from None
+    if any(v < 1 for v in items):
+        raise ConfigError(f"{flag} values must be >= 1, got {value!r}.")
+    return items
+
+
+def parse_settings(pairs: Sequence[str]) -> dict[str, Any]:
+    """``--set NAME=VALUE`` pairs into thunderproxy settings, typed like their defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in defaults:
+            raise ConfigError(
+                f"--set {pair!r}: expected NAME=VALUE with a `thunderproxy serve` setting name."
+            )
+        default = defaults[name]
+        try:
+            if isinstance(default, bool):
+                out[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif isinstance(default, int):
+                out[name] = int(raw)
+            elif isinstance(default, float):
+                out[name] = float(raw)
+            else:
+                out[name] = raw
+        except ValueError:
+            raise ConfigError(f"--set {pair!r}: {raw!r} is not a valid {name}.") from None
+    load_settings(out)  # validates ranges and choices now, before anything starts
+    return out
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One bench invocation. Every field has the CLI's default."""
+
+    trace: str = "thunderagent"
+    targets: tuple[str, ...] = ("tr",)
+    #: Closed loop: agents at a time (None: 16). Open loop: the most programs running at once
+    #: (None or 0: no cap).
+    concurrency: int | None = None
+    programs: int | None = None
+    max_steps: int | None = None
+    #: Keep a seeded random fraction of the programs (before ``programs`` is applied).
+    sample: float = 1.0
+    virtual: bool = False
+    #: Real time: wall seconds per simulated second (0.1: the simulator runs 10x real time).
+    time_scale: float = 0.1
+    #: KV capacity of each simulated backend in tokens (None: the timing profile's).
+    kv_tokens: int | None = None
+    backends: int = 1
+    backend_ports: tuple[int, ...] = ()
+    profile: str = DEFAULT_PROFILE
+    seed: int = 0
+    #: None: the trace's own (closed loop for ThunderAgent, recorded times for Mooncake).
+    arrivals: str | None = None
+    rate: float = 0.0
+    gap_scale: float = 1.0
+    proxy_settings: Mapping[str, Any] = field(default_factory=dict)
+    model: str = DEFAULT_MODEL
+    #: Audit-db traces: which run to replay (None: the latest).
+    audit_run: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None and self.concurrency < 0:
+            raise ConfigError("--concurrency must be >= 0.")
+        if not 0 < self.sample <= 1:
+            raise ConfigError("--sample must be in (0, 1].")
+        if self.time_scale <= 0:
+            raise ConfigError("--time-scale must be > 0.")
+        if self.backends < 1:
+            raise ConfigError("--backends must be >= 1.")
+        if self.backend_ports and len(self.backend_ports) != self.backends:
+            raise ConfigError(
+                f"--backend-ports lists {len(self.backend_ports)} ports for "
+                f"{self.backends} backends; give one port per backend."
+            )
+        if self.profile not in PROFILES:
+            raise ConfigError(f"--profile {self.profile!r} is not one of {', '.join(PROFILES)}.")
+        if self.arrivals is not None and self.arrivals not in ARRIVALS:
+            raise ConfigError(f"--arrivals {self.arrivals!r} is not one of {', '.join(ARRIVALS)}.")
+        if self.arrivals == "poisson" and self.rate <= 0:
+            raise ConfigError("--arrivals poisson needs --rate (programs per simulated second).")
+        if self.virtual and any(t not in TARGETS for t in self.targets):
+            raise ConfigError(
+                "--virtual runs the scheduler in-process; an external proxy URL can only be "
+                "benchmarked in real time (drop --virtual)."
+            )
+
+    @property
+    def clock(self) -> str:
+        return "virtual" if self.virtual else "real"
+
+    def kv_for(self, workload: Workload, target: str) -> int:
+        """KV tokens of each backend for a target: the oracle's holds everything ever computed."""
+        base = self.kv_tokens or PROFILES[self.profile].kv_capacity_tokens
+        if target != "oracle":
+            return base
+        return max(base, int(workload.no_eviction_tokens() * 1.05) + 65_536)
+
+    def max_model_len(self, workload: Workload) -> int:
+        need = workload.max_context_tokens + 4_096
+        return max(32_768, -(-need // 4_096) * 4_096)
+
+    def sim_config(self, workload: Workload, target: str, *, time_scale: float) -> SimConfig:
+        return SimConfig(
+            served_model_name=self.model,
+            profile=self.profile,
+            kv_capacity_tokens=self.kv_for(workload, target),
+            max_model_len=self.max_model_len(workload),
+            enable_prompt_tokens_details=True,
+            time_scale=time_scale,
+            seed=self.seed,
+        )
+
+    def arrivals_for(self, workload: Workload) -> str:
+        return self.arrivals or workload.natural_arrivals
+
+    def concurrency_for(self, workload: Workload) -> int:
+        if self.concurrency is not None:
+            return self.concurrency
+        return DEFAULT_CONCURRENCY if self.arrivals_for(workload) == "closed" else 0
+
+    def schedule(self, workload: Workload, concurrency: int | None = None) -> Schedule:
+        return Schedule(
+            arrivals=self.arrivals_for(workload),
+            concurrency=self.concurrency_for(workload) if concurrency is None else concurrency,
+            rate=self.rate,
+            gap_scale=self.gap_scale,
+            seed=self.seed,
+        )
+
+    def settings(self, target: str, *, scale: float = 1.0, **overrides: Any) -> Settings:
+        """The bench's own thunderproxy for ``target``; time settings scaled to ``scale``."""
+        values = {**self.proxy_settings}
+        base = Settings()
+        for name in TIME_SETTINGS:
+            values[name] = float(values.get(name, getattr(base, name))) * scale
+        values.update(router=PROXY_ROUTERS[target], restore=False, **overrides)
+        return load_settings(values)
+
+    def describe(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["proxy_settings"] = dict(self.proxy_settings)
+        return out

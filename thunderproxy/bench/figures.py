@@ -1,0 +1,181 @@
+"""The reported figures of one run, computed from what the agents recorded and from the
+simulator's truth, pure. Keys of :data:`KEYS` are stable: scripts read them from ``--json``.
+
+All durations are simulated seconds (real-time runs divide trio seconds by the time scale).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .agent import RunLog
+
+#: The simulator truth counters summed over backends (``/_sim/state`` ``counters``).
+TRUTH_COUNTERS = (
+    "prefix_queries",
+    "prefix_hits",
+    "preemptions",
+    "recomputed_prefill_tokens",
+    "evictions",
+    "prompt_tokens",
+    "generation_tokens",
+    "steps",
+)
+
+#: Every figure, in table order, with its unit and how the summary table prints it.
+KEYS: tuple[tuple[str, str, str], ...] = (
+    ("steps_per_min", "LLM calls completed per simulated minute (whole run)", "{:.1f}"),
+    ("steps_per_min_busy", "the same, until the first agent found no program left", "{:.1f}"),
+    ("programs_completed", "programs whose every call succeeded", "{:d}"),
+    ("programs_total", "programs in the workload", "{:d}"),
+    ("steps_completed", "calls that succeeded", "{:d}"),
+    ("output_tokens_per_s", "decoded tokens per simulated second", "{:.0f}"),
+    ("prefix_hit_rate", "prefix-cache hits / queried prompt tokens (simulator truth)", "{:.3f}"),
+    ("prefill_tokens", "prompt tokens computed on first schedule (queries - hits)", "{:,d}"),
+    ("evicted_prefix_tokens", "tokens a call could have hit (its own history) but missed", "{:,d}"),
+    ("recomputed_prefill_tokens", "tokens computed again after preemption (truth)", "{:,d}"),
+    ("preemptions", "engine preemptions (truth)", "{:,d}"),
+    ("evictions", "cached blocks reused for other tokens (truth)", "{:,d}"),
+    ("step_latency_p50_s", "call latency, send to last token, median", "{:.2f}"),
+    ("step_latency_p99_s", "call latency, 99th percentile", "{:.2f}"),
+    ("ttft_p50_s", "time to first token, median", "{:.2f}"),
+    ("ttft_p99_s", "time to first token, 99th percentile", "{:.2f}"),
+    ("program_time_p50_s", "program completion time (arrival to last token), median", "{:.0f}"),
+    ("program_time_p99_s", "program completion time, 99th percentile", "{:.0f}"),
+    ("pause_time_total_s", "time calls waited in the proxy (admission, pauses)", "{:.0f}"),
+    ("pauses", "times the proxy moved a program to PAUSED", "{:,d}"),
+    ("errors", "failed call attempts", "{:d}"),
+    ("duration_s", "first arrival to last token", "{:.0f}"),
+)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no data."""
+    if not values:
+        return None
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (pos - low)
+
+
+def sum_truth(states: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Counters of several backends' ``/_sim/state`` (or ``truth.state``) added up, plus the
+    worst clock lag any of them reported (a simulator that fell behind its clock)."""
+    totals: dict[str, float] = dict.fromkeys(TRUTH_COUNTERS, 0)
+    totals["max_lag_s"] = 0.0
+    for state in states:
+        counters = state.get("counters", {})
+        for key in TRUTH_COUNTERS:
+            totals[key] += counters.get(key, 0)
+        lag = state.get("clock", {}).get("max_lag_seconds", 0.0)
+        totals["max_lag_s"] = max(totals["max_lag_s"], float(lag))
+    return totals
+
+
+@dataclass(frozen=True)
+class Figures:
+    values: dict[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+
+def compute(
+    log: RunLog,
+    truth: Mapping[str, float],
+    *,
+    pause_time_s: float | None,
+    pauses: int | None = None,
+) -> dict[str, Any]:
+    """The figures of one run (see :data:`KEYS`); ``pause_time_s`` in trio seconds and
+    ``pauses`` (programs moved to PAUSED) are None when the target cannot say (a proxy that
+    is not thunderproxy)."""
+    scale = log.time_scale
+    ok = [s for s in log.steps if s.ok]
+    done = [p for p in log.programs if p.completed and p.finished_at is not None]
+    ends = [s.finished_at for s in ok]
+    start = min((p.arrived_at for p in log.programs), default=log.started_at)
+    end = max(ends, default=start)
+    duration = (end - start) / scale
+    busy_end = log.exhausted_at if log.exhausted_at is not None else end
+    busy_steps = sum(1 for t in ends if t <= busy_end)
+    busy = (busy_end - start) / scale
+    queries = truth.get("prefix_queries", 0)
+    hits = truth.get("prefix_hits", 0)
+    latencies = [(s.finished_at - s.sent_at) / scale for s in ok]
+    ttfts = [(s.first_token_at - s.sent_at) / scale for s in ok if s.first_token_at is not None]
+    times = [(p.finished_at - p.arrived_at) / scale for p in done if p.finished_at is not None]
+    evicted = 0
+    for s in ok:
+        if s.cached_tokens is not None and s.reusable_tokens:
+            # Whole blocks only: the engine caches full blocks and recomputes the last one.
+            evicted += max(0, s.reusable_tokens - s.cached_tokens - 32)
+    completion = sum(s.completion_tokens or 0 for s in ok)
+    figures: dict[str, Any] = {
+        "steps_per_min": 60.0 * len(ok) / duration if duration > 0 else 0.0,
+        "steps_per_min_busy": 60.0 * busy_steps / busy if busy > 0 else 0.0,
+        "programs_completed": len(done),
+        "programs_total": len(log.programs),
+        "steps_completed": len(ok),
+        "output_tokens_per_s": completion / duration if duration > 0 else 0.0,
+        "prefix_hit_rate": hits / queries if queries else None,
+        "prefill_tokens": int(queries - hits),
+        "evicted_prefix_tokens": evicted,
+        "recomputed_prefill_tokens": int(truth.get("recomputed_prefill_tokens", 0)),
+        "preemptions": int(truth.get("preemptions", 0)),
+        "evictions": int(truth.get("evictions", 0)),
+        "step_latency_p50_s": percentile(latencies, 50),
+        "step_latency_p99_s": percentile(latencies, 99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "program_time_p50_s": percentile(times, 50),
+        "program_time_p99_s": percentile(times, 99),
+        "pause_time_total_s": None if pause_time_s is None else pause_time_s / scale,
+        "pauses": pauses,
+        "errors": sum(1 for s in log.steps if not s.ok),
+        "duration_s": duration,
+        "sim_max_lag_s": truth.get("max_lag_s", 0.0),
+    }
+    return figures
+
+
+def fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    spec = next((f for k, _, f in KEYS if k == key), "{}")
+    try:
+        return spec.format(int(value) if spec.endswith("d}") else value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def table(results: Sequence[Mapping[str, Any]], *, keys: Sequence[str] | None = None) -> str:
+    """A plain-text table, one column per result (labelled by its ``label``)."""
+    keys = list(keys) if keys is not None else [k for k, _, _ in KEYS]
+    labels = [str(r.get("label", r.get("target", "?"))) for r in results]
+    rows = [["figure", *labels]]
+    for key in keys:
+        rows.append([key, *(fmt(key, r.get(key)) for r in results)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown(results: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> str:
+    """The same table in Markdown, for docs/BENCHMARKS.md."""
+    labels = [str(r.get("label", r.get("target", "?"))) for r in results]
+    out = ["| figure | " + " | ".join(labels) + " |", "| --- |" + " ---: |" * len(labels)]
+    for key in keys:
+        out.append(f"| `{key}` | " + " | ".join(fmt(key, r.get(key)) for r in results) + " |")
+    return "\n".join(out)

@@ -1,0 +1,232 @@
+"""Virtual time: the real scheduler and the simulator engine in one trio run on a MockClock.
+
+No sockets and no threads, so ``MockClock(autojump_threshold=0)`` jumps straight to the next
+thing that happens: an hour of trace replays in seconds, identically every time. The pieces are
+the production ones, only wired without HTTP:
+
+- a ``BackendPool`` whose backends are never connected to; each ``Backend.snapshot`` is
+  refreshed every ``metrics_interval`` from the engine's own Prometheus text through
+  ``backends.metrics.interpret``, so the same parsing feeds the same policy;
+- the real ``ProgramRegistry`` and ``Scheduler`` (router ``default`` or ``tr``) with
+  ``serve_resume_monitor``, and an ``AuditLog`` whose channel nobody writes to SQLite during
+  the run (its records are kept and stored afterwards);
+- the simulator ``Engine`` called with ``Engine.submit`` by the in-process transport.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import trio
+from trio.testing import MockClock
+
+from ..audit import AuditLog, BackendSample
+from ..audit.records import AuditRecord, StepRecord, TransitionRecord
+from ..backends import BackendPool, interpret, open_backend_pool
+from ..programs import ProgramRegistry, ProgramStatus
+from ..programs.profile import Profiles
+from ..scheduling import Scheduler
+from ..scheduling.scheduler import serve_resume_monitor
+from ..sim import Engine, exposition, truth
+from . import figures
+from .agent import Agents, Progress, RunLog, sticky_round_robin, ungrouped_errors
+from .config import PROXY_ROUTERS, BenchConfig
+from .transport import InProcessTransport
+from .workload import Workload
+
+
+@dataclass
+class TargetResult:
+    """One target measured once: its figures and what they were computed from."""
+
+    target: str
+    concurrency: int
+    kv_tokens: int
+    figures: dict[str, Any]
+    log: RunLog
+    truth: dict[str, float]
+    clock: str
+    #: thunderproxy targets: the audit rows of the run (virtual) and its ``runs`` id once stored.
+    audit_records: list[AuditRecord] = field(default_factory=list)
+    proxy_settings: dict[str, Any] = field(default_factory=dict)
+    proxy_run_id: int | None = None
+    proxy_cpu_s: float | None = None
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "label": self.label,
+            "concurrency": self.concurrency,
+            "kv_tokens": self.kv_tokens,
+            "clock": self.clock,
+            **self.figures,
+            "proxy_cpu_s": self.proxy_cpu_s,
+            "wall_s": self.wall_s,
+        }
+
+    @property
+    def label(self) -> str:
+        return self.target
+
+
+def backend_urls(n: int) -> list[str]:
+    # Names only: nothing ever connects to them (".invalid" cannot resolve, by RFC 2606).
+    return [f"http://sim-{i}.invalid" for i in range(n)]
+
+
+async def serve_engine_metrics(
+    pool: BackendPool,
+    engines: dict[str, Engine],
+    registry: ProgramRegistry,
+    audit: AuditLog,
+    *,
+    interval: float,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The metrics poller without HTTP: each engine's /metrics text, parsed as the poller does."""
+    started = False
+    while True:
+        now = trio.current_time()
+        loads = registry.load_by_backend()
+        for backend in pool:
+            engine = engines[backend.url]
+            snapshot = interpret(exposition.render(engine))
+            if snapshot is not None:
+                backend.snapshot = snapshot
+            backend.mark_ok()
+            backend.last_poll_at = now
+            load = loads.get(backend.url)
+            snap = backend.snapshot
+            audit.record(
+                BackendSample(
+                    at=now,
+                    backend=backend.url,
+                    healthy=True,
+                    capacity_tokens=None if snap is None else snap.capacity_tokens,
+                    kv_usage=None if snap is None else snap.kv_usage,
+                    running=None if snap is None or snap.running is None else int(snap.running),
+                    waiting=None if snap is None or snap.waiting is None else int(snap.waiting),
+                    prefix_queries_total=None if snap is None else snap.prefix_queries_total,
+                    prefix_hits_total=None if snap is None else snap.prefix_hits_total,
+                    preemptions_total=None if snap is None else snap.preemptions_total,
+                    programs=0 if load is None else load.total,
+                    active_tokens=0 if load is None else load.active_tokens,
+                )
+            )
+        if not started:
+            started = True
+            task_status.started()
+        await trio.sleep(interval)
+
+
+def drain(receive: trio.MemoryReceiveChannel[AuditRecord]) -> list[AuditRecord]:
+    records = []
+    while True:
+        try:
+            records.append(receive.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return records
+
+
+async def run_target(
+    workload: Workload,
+    config: BenchConfig,
+    target: str,
+    *,
+    concurrency: int | None = None,
+    progress: Progress | None = None,
+) -> TargetResult:
+    """Measure one target on the virtual clock (call inside ``trio.run`` with a MockClock)."""
+    sim_config = config.sim_config(workload, target, time_scale=1.0)
+    urls = backend_urls(config.backends)
+    engines = {url: Engine(sim_config, epoch=0.0) for url in urls}
+    schedule = config.schedule(workload, concurrency)
+    router = PROXY_ROUTERS.get(target)
+    settings = config.settings(target) if router is not None else None
+    send, receive = trio.open_memory_channel[AuditRecord](math.inf)
+    audit = AuditLog(send, run_id=0)
+    async with open_backend_pool(urls) as pool, trio.open_nursery() as nursery:
+        for engine in engines.values():
+            await nursery.start(engine.run)
+        scheduler: Scheduler | None = None
+        if settings is not None:
+            registry = ProgramRegistry(lambda t: audit.record(TransitionRecord(t)))
+            scheduler = Scheduler(
+                mode=settings.router,
+                registry=registry,
+                pool=pool,
+                audit=audit,
+                profiles=Profiles(),
+                config=settings.policy(),
+            )
+            await nursery.start(
+                partial(
+                    serve_engine_metrics,
+                    pool,
+                    engines,
+                    registry,
+                    audit,
+                    interval=settings.metrics_interval,
+                )
+            )
+            await nursery.start(
+                partial(serve_resume_monitor, scheduler, interval=settings.monitor_interval)
+            )
+        transport = InProcessTransport(
+            engines, scheduler=scheduler, place=sticky_round_robin(urls), model=config.model
+        )
+        agents = Agents(workload, transport, schedule, time_scale=1.0, progress=progress)
+        log = await agents.run()
+        states = [truth.state(engine) for engine in engines.values()]
+        nursery.cancel_scope.cancel()
+    records = drain(receive)
+    pause = 0.0
+    pauses = None
+    if router is not None:
+        pause = sum(r.queue_s for r in records if isinstance(r, StepRecord))
+        pauses = sum(
+            1
+            for r in records
+            if isinstance(r, TransitionRecord) and r.transition.to_status is ProgramStatus.PAUSED
+        )
+    totals = figures.sum_truth(states)
+    return TargetResult(
+        target=target,
+        concurrency=schedule.concurrency,
+        kv_tokens=sim_config.resolved_num_gpu_blocks() * sim_config.resolved_block_size(),
+        figures=figures.compute(log, totals, pause_time_s=pause, pauses=pauses),
+        log=log,
+        truth=totals,
+        clock="virtual",
+        audit_records=records,
+        proxy_settings={} if settings is None else _settings_dict(settings),
+    )
+
+
+def _settings_dict(settings: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(settings)
+
+
+def run(
+    workload: Workload,
+    config: BenchConfig,
+    target: str,
+    *,
+    concurrency: int | None = None,
+    progress: Progress | None = None,
+) -> TargetResult:
+    """Run one target in its own trio run on a fresh virtual clock."""
+    with ungrouped_errors():
+        result: TargetResult = trio.run(
+            partial(
+                run_target, workload, config, target, concurrency=concurrency, progress=progress
+            ),
+            clock=MockClock(autojump_threshold=0),
+        )
+    return result
