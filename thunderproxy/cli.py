@@ -138,6 +138,10 @@ def _register_optional_commands() -> None:
     except ImportError:  # the simulator is part of the package; this guards partial checkouts
         return
     cli.add_command(sim_command)
+    from .bench.cli import bench_command, demo_command
+
+    cli.add_command(bench_command)
+    cli.add_command(demo_command)
 
 
 _register_optional_commands()

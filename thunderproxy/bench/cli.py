@@ -1,0 +1,348 @@
+"""``thunderproxy bench`` and ``thunderproxy demo``: thin click layers over the bench API."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+import trio
+
+from ..errors import ThunderproxyError
+from .config import BenchConfig, parse_int_list, parse_settings, parse_targets
+from .progress import ProgressBar
+from .workload import Workload
+
+if TYPE_CHECKING:
+    from .harness import BenchReport
+
+
+def _progress_factory(enabled: bool | None) -> Any:
+    def make(label: str, workload: Workload) -> ProgressBar:
+        return ProgressBar(
+            label, programs=len(workload.programs), steps=workload.steps, enabled=enabled
+        )
+
+    return make
+
+
+@click.command("bench")
+@click.option("--trace", default="thunderagent", show_default=True,
+              envvar="THUNDERPROXY_BENCH_TRACE",
+              help="Trace file (ThunderAgent calls .jsonl, Mooncake *_trace.jsonl with its "
+              "sessions .csv beside it, or an audit .db to replay), a file name in the traces "
+              "folder ($THUNDERPROXY_TRACES, default ../shared/traces), or thunderagent, "
+              "mooncake, mooncake-synthetic.")  # fmt: skip
+@click.option("--target", "targets", default="tr", show_default=True,
+              help="Comma list of direct, default, tr, oracle, or an OpenAI-compatible proxy "
+              "URL already pointed at the bench's backends (see --backend-ports).")  # fmt: skip
+@click.option("--concurrency", default=None, type=int,
+              help="Agents at a time (closed loop; default 16); with open-loop arrivals, the "
+              "most programs running at once (default 0: no cap).")  # fmt: skip
+@click.option("--programs", type=int, default=None, help="Replay only the first N programs.")
+@click.option("--max-steps", type=int, default=None, help="Cut every program to N calls.")
+@click.option(
+    "--sample",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="Keep a seeded random fraction of the programs (thins open-loop load).",
+)
+@click.option("--virtual", is_flag=True,
+              help="Virtual time: scheduler and simulator in-process on a mock clock (no "
+              "sockets, deterministic, much faster than real time).")  # fmt: skip
+@click.option(
+    "--time-scale",
+    default=0.1,
+    show_default=True,
+    type=float,
+    help="Real time: wall seconds per simulated second (0.1 runs 10x faster).",
+)
+@click.option(
+    "--kv-tokens",
+    type=int,
+    default=None,
+    help="KV capacity of each simulated backend, in tokens (default: the profile's).",
+)
+@click.option(
+    "--backends",
+    "n_backends",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Simulated backends to start.",
+)
+@click.option(
+    "--backend-ports",
+    default="",
+    help="Fixed ports for the simulated backends (comma list, one per backend).",
+)
+@click.option(
+    "--profile",
+    default="glm45-swe",
+    show_default=True,
+    help="Simulator timing profile (see `thunderproxy sim --help`).",
+)
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Seed of imputation, program order, prompts and Poisson arrivals.",
+)
+@click.option("--arrivals", type=click.Choice(["closed", "poisson", "trace"]), default=None,
+              help="closed: --concurrency agents; poisson: --rate programs/s; trace: "
+              "recorded times. Default: the trace's own (closed for ThunderAgent, trace for "
+              "Mooncake).")  # fmt: skip
+@click.option("--rate", default=0.0, type=float, help="Poisson arrivals: programs per second.")
+@click.option(
+    "--gap-scale",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="Multiply tool and think time (e.g. 10 for long tool calls).",
+)
+@click.option("--set", "proxy_settings", multiple=True, metavar="NAME=VALUE",
+              help="A `thunderproxy serve` setting for the bench's own proxy, e.g. "
+              "--set pause_cooldown=2 (repeatable).")  # fmt: skip
+@click.option("--json", "json_path", default=None, help="Write every figure as JSON here.")
+@click.option("--sweep", default="", help="Comma list of concurrencies to run each target at.")
+@click.option(
+    "--plot",
+    "plot_path",
+    default="bench-sweep.png",
+    show_default=True,
+    help="With --sweep: PNG of steps/min and p99 program time vs concurrency.",
+)
+@click.option("--no-plot", is_flag=True, help="With --sweep: do not draw the plot.")
+@click.option(
+    "--db",
+    default="thunderproxy.db",
+    show_default=True,
+    envvar="THUNDERPROXY_DB",
+    help="SQLite db for results (and the bench proxy's audit log); '' for none.",
+)
+@click.option(
+    "--audit-run",
+    type=int,
+    default=None,
+    help="Audit-db traces: the run to replay (default: the latest).",
+)
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bar on stderr (default: when stderr is a terminal).",
+)
+@click.option("--overhead", is_flag=True,
+              help="Measure proxy overhead instead (a fast trivial backend; --sweep gives "
+              "the stream counts, default 1,32,128; --target picks the routers, default "
+              "default).")  # fmt: skip
+@click.option(
+    "--overhead-seconds",
+    default=10.0,
+    show_default=True,
+    type=float,
+    help="--overhead: measured seconds per cell.",
+)
+def bench_command(
+    trace: str,
+    targets: str,
+    concurrency: int | None,
+    programs: int | None,
+    max_steps: int | None,
+    sample: float,
+    virtual: bool,
+    time_scale: float,
+    kv_tokens: int | None,
+    n_backends: int,
+    backend_ports: str,
+    profile: str,
+    seed: int,
+    arrivals: str | None,
+    rate: float,
+    gap_scale: float,
+    proxy_settings: tuple[str, ...],
+    json_path: str | None,
+    sweep: str,
+    plot_path: str,
+    no_plot: bool,
+    db: str,
+    audit_run: int | None,
+    progress: bool | None,
+    overhead: bool,
+    overhead_seconds: float,
+) -> None:
+    """Replay agentic traces through a target against simulated backends and measure it.
+
+    Starts its own simulated vLLM backends (and its own thunderproxy for the default and tr
+    targets) on 127.0.0.1, replays the trace's programs (prompts growing by the recorded
+    amounts, recorded tool gaps, recorded decode lengths) and prints steps/min, cache and
+    latency figures side by side. The oracle is the same backends with unbounded KV cache.
+
+    \b
+    Examples:
+      thunderproxy bench --virtual --target direct,default,tr,oracle --concurrency 32 \\
+          --kv-tokens 425000
+      thunderproxy bench --target default,tr --concurrency 8 --programs 16 --time-scale 0.1
+      thunderproxy bench --virtual --target default,tr --sweep 16,32,64,128 --kv-tokens 850000
+      thunderproxy bench --trace mooncake --virtual --programs 600 --target direct,tr
+      thunderproxy bench --target http://127.0.0.1:9000 --backend-ports 8001
+      thunderproxy bench --overhead --target default,tr
+    """
+    try:
+        if overhead:
+            _overhead(targets, sweep, overhead_seconds, json_path)
+            return
+        config = BenchConfig(
+            trace=trace,
+            targets=parse_targets(targets),
+            concurrency=concurrency,
+            programs=programs,
+            max_steps=max_steps,
+            sample=sample,
+            virtual=virtual,
+            time_scale=time_scale,
+            kv_tokens=kv_tokens,
+            backends=n_backends,
+            backend_ports=parse_int_list(backend_ports, flag="--backend-ports"),
+            profile=profile,
+            seed=seed,
+            arrivals=arrivals,
+            rate=rate,
+            gap_scale=gap_scale,
+            proxy_settings=parse_settings(proxy_settings),
+            audit_run=audit_run,
+        )
+        concurrencies = parse_int_list(sweep, flag="--sweep")
+        # Imported here so that `thunderproxy serve` does not load the bench.
+        from .harness import run_bench, write_json
+
+        if concurrencies and not no_plot:
+            from .plot import require_matplotlib
+
+            require_matplotlib()  # fail before an hour of benchmark, not after
+        report = run_bench(
+            config,
+            sweep=concurrencies,
+            db=db or None,
+            command=["thunderproxy", "bench", *sys.argv[2:]],
+            progress=_progress_factory(progress),
+        )
+    except ThunderproxyError as exc:
+        raise click.ClickException(exc.message) from None
+    _print_report(report)
+    if json_path:
+        write_json(report, json_path)
+        click.echo(f"figures written to {json_path}", err=True)
+    if concurrencies and not no_plot:
+        from .plot import sweep_plot
+
+        sweep_plot(report.summaries(), plot_path, title=_title(report))
+        click.echo(f"plot written to {plot_path}", err=True)
+
+
+def _title(report: BenchReport) -> str:
+    config = report.config
+    kv = config.kv_tokens or "profile"
+    return f"{report.workload.name}: {config.clock} time, KV {kv} tokens x {config.backends}"
+
+
+def _print_report(report: BenchReport) -> None:
+    config = report.config
+    workload = report.workload
+    click.echo(
+        f"\n{workload.name}: {len(workload.programs)} programs, {workload.steps} calls; "
+        f"{config.clock} time; {config.backends} simulated backend(s), profile {config.profile}, "
+        f"KV {config.kv_tokens or 'profile default'} tokens each"
+    )
+    for note in workload.notes:
+        click.echo(f"  - {note}")
+    click.echo("")
+    click.echo(report.table())
+    for result in report.results:
+        lag = result.figures.get("sim_max_lag_s") or 0.0
+        if result.clock == "real" and lag > 0.5 * config.time_scale:
+            click.echo(
+                f"warning: {result.target}: a simulator fell {lag:.2f} wall s behind its clock; "
+                "use a larger --time-scale for trustworthy latencies",
+                err=True,
+            )
+    if report.bench_run_id is not None:
+        click.echo(f"\nstored as bench run {report.bench_run_id}")
+
+
+def _overhead(targets: str, sweep: str, seconds: float, json_path: str | None) -> None:
+    from . import overhead
+
+    routers = tuple(t for t in parse_targets(targets) if t in ("default", "tr")) or ("default",)
+    concurrencies = parse_int_list(sweep, flag="--sweep") or (1, 32, 128)
+    config = overhead.OverheadConfig(concurrencies=concurrencies, routers=routers, seconds=seconds)
+    cells = trio.run(overhead.run_overhead, config)
+    rows = overhead.report(cells)
+    click.echo(overhead.table(rows))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as fh:
+            json.dump(overhead.as_json(config, rows), fh, indent=2)
+            fh.write("\n")
+        click.echo(f"figures written to {json_path}", err=True)
+
+
+@click.command("demo")
+@click.option("--programs", default=12, show_default=True, help="SWE-agent programs to replay.")
+@click.option("--max-steps", default=10, show_default=True, help="Calls per program, at most.")
+@click.option("--concurrency", default=6, show_default=True, help="Agents at a time.")
+@click.option(
+    "--time-scale",
+    default=0.1,
+    show_default=True,
+    type=float,
+    help="Wall seconds per simulated second.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
+@click.option(
+    "--port", default=8300, show_default=True, type=int, help="Proxy port (0: any free port)."
+)
+@click.option("--db", default="thunderproxy-demo.db", show_default=True, help="Audit db.")
+@click.option(
+    "--wait/--no-wait",
+    default=True,
+    show_default=True,
+    help="Keep serving after the replay, so the results can be explored.",
+)
+def demo_command(
+    programs: int,
+    max_steps: int,
+    concurrency: int,
+    time_scale: float,
+    host: str,
+    port: int,
+    db: str,
+    wait: bool,
+) -> None:
+    """A short replay through tr against an embedded simulated vLLM, then a look at it.
+
+    Starts a simulated vLLM and the proxy (router tr) in this process, replays a few
+    ThunderAgent SWE-agent programs through it on a KV cache about 2x too small, prints the
+    figures and the Datasette address of the audit db, and keeps serving until Ctrl-C.
+    """
+    from .demo import DemoConfig, run_demo
+
+    config = DemoConfig(
+        programs=programs,
+        max_steps=max_steps,
+        concurrency=concurrency,
+        time_scale=time_scale,
+        host=host,
+        port=port,
+        db=db,
+        wait=wait,
+    )
+    workload_steps = programs * max_steps
+    bar = ProgressBar("tr", programs=programs, steps=workload_steps)
+    try:
+        trio.run(lambda: run_demo(config, echo=click.echo, progress=bar))
+    except ThunderproxyError as exc:
+        raise click.ClickException(exc.message) from None
+    except KeyboardInterrupt:
+        pass

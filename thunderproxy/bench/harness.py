@@ -1,0 +1,210 @@
+"""``run_bench``: one bench invocation, every target (and every concurrency of a sweep), on
+the virtual clock or in real time; the report it returns is what the CLI prints and stores."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .. import __version__
+from . import figures, realtime, store, virtual
+from .agent import ungrouped_errors
+from .config import BenchConfig
+from .progress import ProgressBar
+from .traces import load_workload
+from .virtual import TargetResult
+from .workload import Workload
+
+#: The figures the summary table and the docs show (``--json`` has every figure).
+SUMMARY_KEYS = (
+    "steps_per_min",
+    "steps_per_min_busy",
+    "programs_completed",
+    "output_tokens_per_s",
+    "prefix_hit_rate",
+    "evicted_prefix_tokens",
+    "recomputed_prefill_tokens",
+    "preemptions",
+    "step_latency_p50_s",
+    "step_latency_p99_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "program_time_p50_s",
+    "program_time_p99_s",
+    "pause_time_total_s",
+    "pauses",
+    "errors",
+)
+
+ProgressFactory = Callable[[str, Workload], ProgressBar | None]
+
+
+@dataclass
+class BenchReport:
+    config: BenchConfig
+    workload: Workload
+    results: list[TargetResult] = field(default_factory=list)
+    bench_run_id: int | None = None
+    version: str = __version__
+
+    def summaries(self) -> list[dict[str, Any]]:
+        out = []
+        sweep = len({r.concurrency for r in self.results}) > 1
+        for r in self.results:
+            summary = r.summary()
+            if sweep:
+                summary["label"] = f"{r.target}@{r.concurrency}"
+            out.append(summary)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """Every figure under stable keys. With exactly one result its figures are also at the
+        top level, so ``json["steps_per_min"]`` works for single-target runs."""
+        results = self.summaries()
+        doc: dict[str, Any] = {
+            "workload": self.workload.name,
+            "version": self.version,
+            "notes": list(self.workload.notes),
+            "config": self.config.describe(),
+            "bench_run_id": self.bench_run_id,
+            "results": results,
+        }
+        if len(results) == 1:
+            doc = {**results[0], **doc}
+        return doc
+
+    def table(self) -> str:
+        return figures.table(self.summaries(), keys=SUMMARY_KEYS)
+
+
+def code_version() -> str:
+    """The package version, and the git commit when run from a checkout (``-dirty`` when it
+    has uncommitted changes): figures of a scheduler under development need both."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        described = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return __version__
+    return f"{__version__} (git {described})" if described else __version__
+
+
+def workload_for(config: BenchConfig) -> Workload:
+    loaded = load_workload(config.trace, seed=config.seed, run_id=config.audit_run)
+    return loaded.sample(config.sample, config.seed).subset(config.programs, config.max_steps)
+
+
+def run_bench(
+    config: BenchConfig,
+    *,
+    sweep: Sequence[int] = (),
+    db: str | None = None,
+    command: Sequence[str] = (),
+    progress: ProgressFactory | None = None,
+    workload: Workload | None = None,
+) -> BenchReport:
+    """Measure every target of ``config`` (at every concurrency of ``sweep``, or at
+    ``config.concurrency``); results go to ``db`` when given."""
+    workload = workload or workload_for(config)
+    report = BenchReport(config, workload, version=code_version())
+    if db:
+        report.bench_run_id = store.start_bench_run(
+            db,
+            version=report.version,
+            command=command,
+            trace=config.trace,
+            workload=workload,
+            clock=config.clock,
+            config=config.describe(),
+        )
+    concurrencies = tuple(sweep) or (config.concurrency_for(workload),)
+
+    def finished(result: TargetResult) -> None:
+        report.results.append(result)
+        if db and report.bench_run_id is not None:
+            store.save_result(db, report.bench_run_id, result)
+
+    def bar(target: str, concurrency: int) -> ProgressBar | None:
+        if progress is None:
+            return None
+        label = target if len(concurrencies) == 1 else f"{target}@{concurrency}"
+        return progress(label, workload)
+
+    if config.virtual:
+        for concurrency in concurrencies:
+            for target in config.targets:
+                shown = bar(target, concurrency)
+                result = _timed(
+                    partial(
+                        virtual.run, workload, config, target, concurrency=concurrency,
+                        progress=shown,
+                    )
+                )  # fmt: skip
+                if shown is not None:
+                    shown.close(result.log)
+                finished(result)
+    else:
+        with ungrouped_errors():
+            trio.run(_real_time, workload, config, concurrencies, db, bar, finished)
+    if db and report.bench_run_id is not None:
+        store.finish_bench_run(db, report.bench_run_id)
+    return report
+
+
+def _timed(fn: Callable[[], TargetResult]) -> TargetResult:
+    import time
+
+    start = time.perf_counter()
+    result = fn()
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+async def _real_time(
+    workload: Workload,
+    config: BenchConfig,
+    concurrencies: Sequence[int],
+    db: str | None,
+    bar: Callable[[str, int], ProgressBar | None],
+    finished: Callable[[TargetResult], None],
+) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="thunderproxy-bench-") as scratch:
+        audit_db = db or str(Path(scratch) / "audit.db")
+        async with (
+            realtime.http_client(max(concurrencies)) as client,
+            trio.open_nursery() as nursery,
+        ):
+            session = realtime.Session(nursery, client, workload, config, db=audit_db)
+            try:
+                await session.start()
+                for concurrency in concurrencies:
+                    for target in config.targets:
+                        shown = bar(target, concurrency)
+                        result = await session.run_target(
+                            target, concurrency=concurrency, progress=shown
+                        )
+                        if shown is not None:
+                            shown.close(result.log)
+                        finished(result)
+            finally:
+                await session.stop()
+                nursery.cancel_scope.cancel()
+
+
+def write_json(report: BenchReport, path: str) -> None:
+    Path(path).write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")

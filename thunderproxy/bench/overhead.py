@@ -1,0 +1,271 @@
+"""Proxy overhead: what thunderproxy adds to each streamed call, direct vs through the proxy.
+
+A trivial fast backend (``fastbackend.py``, its own process) streams a fixed number of chunks
+at a fixed pace. For each concurrency, N client streams call it back to back for a while,
+first directly, then through a fresh ``thunderproxy serve`` process per router. Reported per
+cell: TTFT and total latency (p50/p99, wall ms), the proxy's CPU per request and per relayed
+chunk (from /proc/<pid>/stat), and how busy the client itself was (``resource.getrusage``):
+on a small machine the client and the backend share the cores with the proxy, so a saturated
+client inflates both sides alike.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from ..config import load_settings
+from . import figures
+from .realtime import (
+    PROXY_LISTENING,
+    SIM_LISTENING,
+    Child,
+    process_cpu_seconds,
+    serve_argv,
+    start_child,
+    stop_child,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class OverheadConfig:
+    concurrencies: tuple[int, ...] = (1, 32, 128)
+    routers: tuple[str, ...] = ("default",)
+    #: Measured seconds per cell, after ``warmup_s`` seconds that are not counted.
+    seconds: float = 10.0
+    warmup_s: float = 2.0
+    chunks: int = 32
+    interval_ms: float = 20.0
+    #: Characters of the prompt (about four per token).
+    prompt_chars: int = 4_000
+
+
+@dataclass
+class Cell:
+    path: str  # "direct" or the proxy's router
+    concurrency: int
+    requests: int = 0
+    chunks: int = 0
+    errors: int = 0
+    ttft_ms: list[float] = field(default_factory=list)
+    total_ms: list[float] = field(default_factory=list)
+    window_s: float = 0.0
+    proxy_cpu_s: float | None = None
+    client_cpu_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        out = {
+            "path": self.path,
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "chunks": self.chunks,
+            "errors": self.errors,
+            "requests_per_s": self.requests / self.window_s if self.window_s else 0.0,
+            "ttft_p50_ms": figures.percentile(self.ttft_ms, 50),
+            "ttft_p99_ms": figures.percentile(self.ttft_ms, 99),
+            "total_p50_ms": figures.percentile(self.total_ms, 50),
+            "total_p99_ms": figures.percentile(self.total_ms, 99),
+            "proxy_cpu_s": self.proxy_cpu_s,
+            "proxy_cpu_per_request_us": None,
+            "proxy_cpu_per_chunk_us": None,
+            "proxy_cpu_util": None,
+            "client_cpu_util": self.client_cpu_s / self.window_s if self.window_s else 0.0,
+        }
+        if self.proxy_cpu_s is not None and self.requests:
+            out["proxy_cpu_per_request_us"] = 1e6 * self.proxy_cpu_s / self.requests
+            out["proxy_cpu_per_chunk_us"] = 1e6 * self.proxy_cpu_s / max(1, self.chunks)
+            out["proxy_cpu_util"] = self.proxy_cpu_s / self.window_s
+        return out
+
+
+def client_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def measure(
+    client: httpx.AsyncClient,
+    url: str,
+    cell: Cell,
+    config: OverheadConfig,
+    *,
+    proxy: Child | None,
+) -> Cell:
+    body_text = "word " * (config.prompt_chars // 5)
+    start = trio.current_time()
+    measure_from = start + config.warmup_s
+    stop_at = measure_from + config.seconds
+    cpu_at: dict[str, float | None] = {}
+
+    async def mark_start() -> None:
+        await trio.sleep_until(measure_from)
+        cpu_at["proxy"] = None if proxy is None else process_cpu_seconds(proxy.pid)
+        cpu_at["client"] = client_cpu()
+
+    async def stream(i: int) -> None:
+        body: dict[str, Any] = {
+            "model": "fast",
+            "messages": [{"role": "user", "content": body_text}],
+            "stream": True,
+            "max_tokens": config.chunks,
+        }
+        if proxy is not None:
+            body["extra_body"] = {"program_id": f"overhead-{i}"}
+        while trio.current_time() < stop_at:
+            sent = trio.current_time()
+            first: float | None = None
+            chunks = 0
+            try:
+                async with client.stream("POST", url + CHAT, json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            chunks += 1
+                            if first is None:
+                                first = trio.current_time()
+                ok = response.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            done = trio.current_time()
+            if sent < measure_from:
+                continue
+            if not ok or first is None:
+                cell.errors += 1
+                continue
+            cell.requests += 1
+            cell.chunks += chunks
+            cell.ttft_ms.append(1000 * (first - sent))
+            cell.total_ms.append(1000 * (done - sent))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(mark_start)
+        for i in range(cell.concurrency):
+            nursery.start_soon(stream, i)
+    end = trio.current_time()
+    cell.window_s = end - measure_from
+    cell.client_cpu_s = client_cpu() - (cpu_at.get("client") or 0.0)
+    if proxy is not None:
+        after = process_cpu_seconds(proxy.pid)
+        before = cpu_at.get("proxy")
+        cell.proxy_cpu_s = None if after is None or before is None else after - before
+    return cell
+
+
+async def run_overhead(config: OverheadConfig) -> list[Cell]:
+    cells: list[Cell] = []
+    size = 2 * max(config.concurrencies) + 16
+    with tempfile.TemporaryDirectory(prefix="thunderproxy-overhead-") as scratch:
+        async with (
+            httpx.AsyncClient(
+                timeout=httpx.Timeout(60.0),
+                limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+            ) as client,
+            trio.open_nursery() as nursery,
+        ):
+            backend = await start_child(
+                nursery,
+                "fast backend",
+                [
+                    sys.executable,
+                    "-m",
+                    "thunderproxy.bench.fastbackend",
+                    "--chunks",
+                    str(config.chunks),
+                    "--interval-ms",
+                    str(config.interval_ms),
+                ],
+                SIM_LISTENING,
+            )
+            try:
+                for concurrency in config.concurrencies:
+                    cells.append(
+                        await measure(
+                            client, backend.url, Cell("direct", concurrency), config, proxy=None
+                        )
+                    )
+                    for router in config.routers:
+                        settings = load_settings(
+                            host="127.0.0.1",
+                            port=0,
+                            backends=backend.url,
+                            router=router,
+                            db=str(Path(scratch) / f"{router}-{concurrency}.db"),
+                            restore=False,
+                        )
+                        proxy = await start_child(
+                            nursery, f"thunderproxy ({router})", serve_argv(settings),
+                            PROXY_LISTENING,
+                        )  # fmt: skip
+                        try:
+                            cells.append(
+                                await measure(
+                                    client, proxy.url, Cell(router, concurrency), config,
+                                    proxy=proxy,
+                                )
+                            )  # fmt: skip
+                        finally:
+                            await stop_child(proxy)
+            finally:
+                await stop_child(backend)
+                nursery.cancel_scope.cancel()
+    return cells
+
+
+def report(cells: list[Cell]) -> list[dict[str, Any]]:
+    """One row per (router, concurrency): the proxy's figures and what it adds to direct."""
+    direct = {c.concurrency: c.summary() for c in cells if c.path == "direct"}
+    rows = []
+    for cell in cells:
+        row = cell.summary()
+        base = direct.get(cell.concurrency)
+        if cell.path != "direct" and base is not None:
+            for key in ("ttft_p50_ms", "ttft_p99_ms", "total_p50_ms", "total_p99_ms"):
+                if row[key] is not None and base[key] is not None:
+                    row["added_" + key] = row[key] - base[key]
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    columns = (
+        ("path", "{}"),
+        ("concurrency", "{}"),
+        ("requests_per_s", "{:.1f}"),
+        ("ttft_p50_ms", "{:.1f}"),
+        ("ttft_p99_ms", "{:.1f}"),
+        ("total_p50_ms", "{:.1f}"),
+        ("total_p99_ms", "{:.1f}"),
+        ("added_ttft_p50_ms", "{:+.1f}"),
+        ("added_ttft_p99_ms", "{:+.1f}"),
+        ("added_total_p50_ms", "{:+.1f}"),
+        ("added_total_p99_ms", "{:+.1f}"),
+        ("proxy_cpu_per_request_us", "{:.0f}"),
+        ("proxy_cpu_per_chunk_us", "{:.0f}"),
+        ("proxy_cpu_util", "{:.2f}"),
+        ("client_cpu_util", "{:.2f}"),
+        ("errors", "{}"),
+    )
+    header = [name for name, _ in columns]
+    body = []
+    for row in rows:
+        cells = []
+        for name, spec in columns:
+            value = row.get(name)
+            cells.append("-" if value is None else spec.format(value))
+        body.append(cells)
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+    return "\n".join(lines)
+
+
+def as_json(config: OverheadConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"mode": "overhead", "config": asdict(config), "results": rows}

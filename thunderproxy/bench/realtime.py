@@ -1,0 +1,357 @@
+"""Real time: simulated backends and thunderproxy as separate processes on loopback, driven
+over HTTP by the same agents as the virtual runs.
+
+The simulators start once (``python -m thunderproxy sim``, port 0 or fixed ports) and are
+reconfigured and reset between targets through ``POST /_sim/config``; each thunderproxy target
+gets a fresh ``python -m thunderproxy serve`` (its CPU time read from /proc). Separate processes
+keep the proxy's event loop from sharing a core with the simulator or the agents, and let any
+other proxy be measured the same way.
+
+``time_scale`` (wall seconds per simulated second) is applied everywhere: the simulators run at
+it, tool gaps are slept at it, and the proxy's own time settings are scaled by it, so a run at
+0.1 behaves like the same run at 1.0, ten times sooner, as long as every process keeps up (the
+simulators report how far their step loop fell behind; see ``sim_max_lag_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import trio
+
+from ..config import SETTINGS_BY_NAME, Settings
+from ..sim import SimConfig
+from . import figures
+from .agent import Agents, BenchError, Progress, sticky_round_robin
+from .config import PROXY_ROUTERS, BenchConfig
+from .transport import HttpTransport
+from .virtual import TargetResult
+from .workload import Workload
+
+SIM_LISTENING = re.compile(rb" on (http://[^;\s]+);")
+PROXY_LISTENING = re.compile(rb"listening on (http://\S+)")
+#: How long a child process may take to start listening, and to stop after SIGTERM.
+START_TIMEOUT_S = 60.0
+STOP_GRACE_S = 20.0
+#: Bytes of a child's stderr kept for error messages.
+KEEP_OUTPUT = 64 * 1024
+
+
+@dataclass
+class Child:
+    """A process the bench started, with the URL it listens on."""
+
+    name: str
+    process: trio.Process
+    url: str
+    output: bytearray
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def tail(self) -> str:
+        return bytes(self.output[-4000:]).decode("utf-8", "replace")
+
+
+def thunderproxy_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "thunderproxy", *args]
+
+
+def sim_argv(config: SimConfig, *, port: int) -> list[str]:
+    """``thunderproxy sim`` flags for every knob that differs from its default."""
+    argv = thunderproxy_argv("sim", "--host", "127.0.0.1", "--port", str(port))
+    default = SimConfig()
+    for f in dataclasses.fields(SimConfig):
+        value = getattr(config, f.name)
+        if value == getattr(default, f.name):
+            continue
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def serve_argv(settings: Settings) -> list[str]:
+    """``thunderproxy serve`` flags for every setting that differs from its default."""
+    argv = thunderproxy_argv("serve")
+    default = Settings()
+    for f in dataclasses.fields(Settings):
+        value = getattr(settings, f.name)
+        if value == getattr(default, f.name) and f.name not in ("host", "port"):
+            continue
+        flag = SETTINGS_BY_NAME[f.name].flag
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif f.name == "backends":
+            argv += [flag, ",".join(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def cpu_seconds_of(stat: str, ticks_per_s: int) -> float:
+    """User + system CPU seconds from a /proc/<pid>/stat line (pure)."""
+    # The command name (field 2) may hold spaces or parentheses: count from the last ")".
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / ticks_per_s
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return cpu_seconds_of(fh.read(), os.sysconf("SC_CLK_TCK"))
+    except OSError:
+        return None  # not Linux, or the process is gone
+
+
+async def _keep_reading(child: Child) -> None:
+    # A child whose stderr pipe fills up blocks on its next log line: keep draining it.
+    stream = child.process.stderr
+    assert stream is not None
+    while True:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return
+        child.output += chunk
+        del child.output[:-KEEP_OUTPUT]
+
+
+async def start_child(
+    nursery: trio.Nursery, name: str, argv: Sequence[str], listening: re.Pattern[bytes]
+) -> Child:
+    """Start a process and wait for the line saying where it listens."""
+    process = await trio.lowlevel.open_process(
+        list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    assert process.stderr is not None
+    output = bytearray()
+    try:
+        with trio.fail_after(START_TIMEOUT_S):
+            while True:
+                chunk = await process.stderr.receive_some(65536)
+                if not chunk:
+                    raise BenchError(
+                        f"{name} exited before it listened ({' '.join(argv)}):\n"
+                        + output.decode("utf-8", "replace")[-4000:]
+                    )
+                output += chunk
+                match = listening.search(output)
+                if match:
+                    break
+    except BaseException:
+        if process.returncode is None:
+            process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+        raise
+    child = Child(name, process, match.group(1).decode(), output)
+    nursery.start_soon(_keep_reading, child)
+    return child
+
+
+async def stop_child(child: Child) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within the grace period."""
+    process = child.process
+    with trio.CancelScope(shield=True):
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(STOP_GRACE_S):
+                await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def last_run_id(db: str) -> int:
+    if not db or not os.path.exists(db):
+        return 0
+    conn = sqlite3.connect(db)
+    try:
+        row = conn.execute("SELECT max(id) FROM runs").fetchone()
+    except sqlite3.Error:
+        return 0
+    finally:
+        conn.close()
+    return int(row[0] or 0)
+
+
+def proxy_run_figures(
+    db: str, after: int, router: str
+) -> tuple[int | None, float | None, int | None]:
+    """The bench's proxy run in the audit db (the first run after ``after`` with that router),
+    the seconds its calls waited in the proxy (``sum(queue_s)``, trio seconds) and how many
+    times it paused a program."""
+    conn = sqlite3.connect(db)
+    try:
+        row = conn.execute(
+            "SELECT min(id) FROM runs WHERE id > ? AND router = ?", (after, router)
+        ).fetchone()
+        run_id = None if row is None else row[0]
+        if run_id is None:
+            return None, None, None
+        (pause,) = conn.execute(
+            "SELECT coalesce(sum(queue_s), 0) FROM steps WHERE run_id = ?", (run_id,)
+        ).fetchone()
+        (pauses,) = conn.execute(
+            "SELECT count(*) FROM transitions WHERE run_id = ? AND to_status = 'paused'",
+            (run_id,),
+        ).fetchone()
+    finally:
+        conn.close()
+    return int(run_id), float(pause), int(pauses)
+
+
+class Session:
+    """Simulated backends for a whole bench invocation, and the targets run against them."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        client: httpx.AsyncClient,
+        workload: Workload,
+        config: BenchConfig,
+        *,
+        db: str,
+    ) -> None:
+        self.nursery = nursery
+        self.client = client
+        self.workload = workload
+        self.config = config
+        self.db = db
+        self.sims: list[Child] = []
+
+    async def start(self) -> None:
+        config = self.config
+        sim_config = config.sim_config(self.workload, "direct", time_scale=config.time_scale)
+        ports = config.backend_ports or (0,) * config.backends
+        for i, port in enumerate(ports):
+            self.sims.append(
+                await start_child(
+                    self.nursery, f"simulator {i}", sim_argv(sim_config, port=port), SIM_LISTENING
+                )
+            )
+
+    async def stop(self) -> None:
+        for sim in self.sims:
+            await stop_child(sim)
+
+    @property
+    def sim_urls(self) -> list[str]:
+        return [s.url for s in self.sims]
+
+    async def _reset_sims(self, kv_tokens: int) -> None:
+        for sim in self.sims:
+            # A structural change resets the engine: empty cache, counters at zero.
+            response = await self.client.post(
+                sim.url + "/_sim/config", json={"kv_capacity_tokens": kv_tokens}
+            )
+            if response.status_code != 200:
+                raise BenchError(f"{sim.url}/_sim/config answered {response.status_code}")
+
+    async def _truth(self) -> list[dict[str, Any]]:
+        states = []
+        for sim in self.sims:
+            response = await self.client.get(sim.url + "/_sim/state")
+            states.append(response.json())
+        return states
+
+    async def run_target(
+        self,
+        target: str,
+        *,
+        concurrency: int | None = None,
+        progress: Progress | None = None,
+    ) -> TargetResult:
+        config = self.config
+        scale = config.time_scale
+        kv = config.kv_for(self.workload, target)
+        await self._reset_sims(kv)
+        schedule = config.schedule(self.workload, concurrency)
+        proxy: Child | None = None
+        router = PROXY_ROUTERS.get(target)
+        settings: Settings | None = None
+        before = last_run_id(self.db)
+        if router is not None:
+            settings = config.settings(
+                target, scale=scale, host="127.0.0.1", port=0, db=self.db,
+                backends=",".join(self.sim_urls),
+            )  # fmt: skip
+            proxy = await start_child(
+                self.nursery, f"thunderproxy ({target})", serve_argv(settings), PROXY_LISTENING
+            )
+        base_for: Callable[[str], str]
+        if proxy is not None:
+            proxy_url: str | None = proxy.url
+            base_for = _constant(proxy.url)
+        elif target in ("direct", "oracle"):
+            proxy_url = None
+            base_for = sticky_round_robin(self.sim_urls)
+        else:
+            proxy_url = target
+            base_for = _constant(target)
+        transport = HttpTransport(
+            self.client, base_for=base_for, model=config.model, proxy_url=proxy_url
+        )
+        agents = Agents(self.workload, transport, schedule, time_scale=scale, progress=progress)
+        cpu_before = None if proxy is None else process_cpu_seconds(proxy.pid)
+        wall = time.perf_counter()
+        try:
+            log = await agents.run()
+        finally:
+            wall = time.perf_counter() - wall
+            cpu = None
+            if proxy is not None:
+                after = process_cpu_seconds(proxy.pid)
+                if after is not None and cpu_before is not None:
+                    cpu = after - cpu_before
+                await stop_child(proxy)
+        states = await self._truth()
+        run_id: int | None = None
+        pause: float | None = None
+        pauses: int | None = None
+        if router is not None:
+            run_id, pause, pauses = proxy_run_figures(self.db, before, router)
+        elif target in ("direct", "oracle"):
+            pause = 0.0
+        totals = figures.sum_truth(states)
+        result = TargetResult(
+            target=target,
+            concurrency=schedule.concurrency,
+            kv_tokens=kv,
+            figures=figures.compute(log, totals, pause_time_s=pause, pauses=pauses),
+            log=log,
+            truth=totals,
+            clock="real",
+            proxy_settings={} if settings is None else dataclasses.asdict(settings),
+            proxy_run_id=run_id,
+            proxy_cpu_s=cpu,
+            wall_s=wall,
+        )
+        return result
+
+
+def _constant(url: str) -> Callable[[str], str]:
+    return lambda _program_id: url
+
+
+def http_client(concurrency: int) -> httpx.AsyncClient:
+    size = max(64, 2 * concurrency)
+    return httpx.AsyncClient(
+        # The agents wait as long as the model takes; only connecting is bounded.
+        timeout=httpx.Timeout(None, connect=10.0),
+        limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+    )
