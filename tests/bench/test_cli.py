@@ -29,7 +29,7 @@ STABLE_KEYS = (
 
 
 def bench(tmp_path: Path, *args: str) -> tuple[int, str]:
-    trace = write_thunderagent(tmp_path / "calls.jsonl", programs=4, steps=3)
+    trace = write_thunderagent(tmp_path / "calls.jsonl", programs=3, steps=3)
     argv = ["bench", "--virtual", "--trace", str(trace), "--kv-tokens", "6000",
             "--concurrency", "2", "--no-progress", "--db", str(tmp_path / "b.db"),
             *args]  # fmt: skip
@@ -54,17 +54,17 @@ def test_one_target_prints_a_table_and_writes_json_and_db_rows(tmp_path: Path) -
     for key in STABLE_KEYS:
         assert key in doc, key  # a single result is also at the top level
     assert doc["results"][0]["target"] == "tr"
-    assert doc["programs_completed"] == 4
+    assert doc["programs_completed"] == 3
     db = tmp_path / "b.db"
     assert rows(db, "select clock, workload from bench_runs") == [("virtual", "thunderagent")]
     ((target, run_id, steps),) = rows(
         db, "select target, proxy_run_id, steps_completed from bench_results"
     )
-    assert (target, steps) == ("tr", 12)
-    assert rows(db, "select count(*) from bench_steps") == [(12,)]
+    assert (target, steps) == ("tr", 9)
+    assert rows(db, "select count(*) from bench_steps") == [(9,)]
     # The virtual scheduler's audit rows are an ordinary run, readable like a real one.
     assert rows(db, f"select router, backends from runs where id = {run_id}") == [("tr", "virtual")]
-    assert rows(db, f"select count(*) from steps where run_id = {run_id}") == [(12,)]
+    assert rows(db, f"select count(*) from steps where run_id = {run_id}") == [(9,)]
 
 
 def test_several_targets_side_by_side_then_a_replay_of_the_audit_db(tmp_path: Path) -> None:
@@ -81,7 +81,7 @@ def test_several_targets_side_by_side_then_a_replay_of_the_audit_db(tmp_path: Pa
             "2", "--kv-tokens", "6000", "--no-progress", "--db", ""]  # fmt: skip
     replay = CliRunner().invoke(cli, argv, catch_exceptions=False)
     assert replay.exit_code == 0, replay.output
-    assert "audit db replay: 4 programs" in replay.output
+    assert "audit db replay: 3 programs" in replay.output
 
 
 @pytest.mark.slow  # importing matplotlib alone takes seconds

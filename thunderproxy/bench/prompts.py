@@ -22,7 +22,6 @@ import string
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import product
 from typing import Any
 
 from ..sim.tokenizer import END, START, Tokenizer
@@ -41,10 +40,10 @@ class Vocabulary:
 
     def __init__(self, tokenizer: Tokenizer | None = None, *, seed: int = 0) -> None:
         self.tokenizer = tokenizer or Tokenizer()
-        letters = string.ascii_lowercase
-        words = ["".join(w) for w in product(letters, repeat=4)]
-        random.Random(f"vocabulary:{seed}").shuffle(words)
-        self.words = words[:VOCABULARY]
+        # A seeded sample of the 26^4 four-letter words, drawn by index (building and
+        # shuffling all 457k of them took seconds).
+        picks = random.Random(f"vocabulary:{seed}").sample(range(26**4), VOCABULARY)
+        self.words = [_word(i) for i in picks]
         self.ids = [self.tokenizer.piece_id(w) for w in self.words]
         tok = self.tokenizer
         # Chat template pieces, as the simulator's apply_chat_template writes them.
@@ -61,6 +60,15 @@ class Vocabulary:
     def overhead(self, role: str) -> int:
         """Template tokens around a message's content."""
         return len(self.open[role]) + len(self.end)
+
+
+def _word(index: int) -> str:
+    letters = string.ascii_lowercase
+    chars = []
+    for _ in range(4):
+        index, rest = divmod(index, 26)
+        chars.append(letters[rest])
+    return "".join(chars)
 
 
 class BlockText:
