@@ -8,31 +8,36 @@ from pathlib import Path
 from typing import Any
 
 
-def thunderagent_rows(programs: int = 4, steps: int = 4, *, seed: int = 0) -> list[dict[str, Any]]:
+def thunderagent_rows(
+    programs: int = 4, steps: int = 4, *, seed: int = 0, output: tuple[int, int] = (20, 80)
+) -> list[dict[str, Any]]:
     """ThunderAgent-like calls: prompts growing by a few hundred tokens, short tool gaps."""
     rng = random.Random(seed)
     rows = []
     for p in range(programs):
         prompt = 400 + 40 * p
         for s in range(1, steps + 1):
-            output = rng.randint(20, 80)
+            decoded = rng.randint(*output)
             rows.append(
                 {
                     "program_id": f"bs4/task-{p}",
                     "step": s,
                     "input_tokens": prompt,
-                    "output_tokens": output,
+                    "output_tokens": decoded,
                     "tool_call_arg_tokens_est": 10 if p % 2 == 0 else None,
                     "gap_after_s": None if s == steps else 0.5 + 0.1 * p,
                     "program_start_s": 0.0,
                 }
             )
-            prompt += output + 10 + rng.randint(100, 400)
+            prompt += decoded + 10 + rng.randint(100, 400)
     return rows
 
 
-def write_thunderagent(path: Path, programs: int = 4, steps: int = 4) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in thunderagent_rows(programs, steps)))
+def write_thunderagent(
+    path: Path, programs: int = 4, steps: int = 4, *, output: tuple[int, int] = (20, 80)
+) -> Path:
+    rows = thunderagent_rows(programs, steps, output=output)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 

@@ -10,6 +10,7 @@ import click
 import trio
 
 from ..errors import ThunderproxyError
+from .agent import ungrouped_errors
 from .config import BenchConfig, parse_int_list, parse_settings, parse_targets
 from .progress import ProgressBar
 from .workload import Workload
@@ -278,7 +279,8 @@ def _overhead(targets: str, sweep: str, seconds: float, json_path: str | None) -
     routers = tuple(t for t in parse_targets(targets) if t in ("default", "tr")) or ("default",)
     concurrencies = parse_int_list(sweep, flag="--sweep") or (1, 32, 128)
     config = overhead.OverheadConfig(concurrencies=concurrencies, routers=routers, seconds=seconds)
-    cells = trio.run(overhead.run_overhead, config)
+    with ungrouped_errors():
+        cells = trio.run(overhead.run_overhead, config)
     rows = overhead.report(cells)
     click.echo(overhead.table(rows))
     if json_path:
@@ -338,10 +340,9 @@ def demo_command(
         db=db,
         wait=wait,
     )
-    workload_steps = programs * max_steps
-    bar = ProgressBar("tr", programs=programs, steps=workload_steps)
     try:
-        trio.run(lambda: run_demo(config, echo=click.echo, progress=bar))
+        with ungrouped_errors():
+            trio.run(lambda: run_demo(config, echo=click.echo))
     except ThunderproxyError as exc:
         raise click.ClickException(exc.message) from None
     except KeyboardInterrupt:

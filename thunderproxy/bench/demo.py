@@ -67,7 +67,7 @@ async def run_demo(
     config: DemoConfig,
     *,
     echo: Callable[[str], None] = print,
-    progress: ProgressBar | None = None,
+    progress: bool | None = None,
     task_status: trio.TaskStatus[DemoOutcome] = trio.TASK_STATUS_IGNORED,
 ) -> DemoOutcome:
     bench = BenchConfig(
@@ -81,6 +81,7 @@ async def run_demo(
         seed=config.seed,
     )
     workload = workload_for(bench)
+    bar = ProgressBar("tr", programs=len(workload.programs), steps=workload.steps, enabled=progress)
     kv = demo_kv_tokens(workload, config.concurrency)
     bench = dataclasses.replace(bench, kv_tokens=kv)
     sim_config: SimConfig = bench.sim_config(workload, "tr", time_scale=config.time_scale)
@@ -122,12 +123,11 @@ async def run_demo(
                     transport,
                     bench.schedule(workload),
                     time_scale=config.time_scale,
-                    progress=progress,
+                    progress=bar,
                 )
                 log = await agents.run()
                 states = [(await client.get(sim_url + "/_sim/state")).json()]
-            if progress is not None:
-                progress.close(log)
+            bar.close(log)
             pause = await _pause_time(proxy, config.db)
             totals = figures.sum_truth(states)
             result = TargetResult(

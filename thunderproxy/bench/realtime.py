@@ -43,6 +43,8 @@ SIM_LISTENING = re.compile(rb" on (http://[^;\s]+);")
 PROXY_LISTENING = re.compile(rb"listening on (http://\S+)")
 #: How long a child process may take to start listening, and to stop after SIGTERM.
 START_TIMEOUT_S = 60.0
+#: How long an external proxy may take to answer once the bench's backends are up.
+READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 20.0
 #: Bytes of a child's stderr kept for error messages.
 KEEP_OUTPUT = 64 * 1024
@@ -301,6 +303,7 @@ class Session:
             proxy_url = None
             base_for = sticky_round_robin(self.sim_urls)
         else:
+            await wait_ready(self.client, target)
             proxy_url = target
             base_for = _constant(target)
         transport = HttpTransport(
@@ -342,6 +345,26 @@ class Session:
             wall_s=wall,
         )
         return result
+
+
+async def wait_ready(client: httpx.AsyncClient, url: str) -> None:
+    """Wait until an external proxy answers ``GET /v1/models`` with 200: it may only now be
+    finding the backends the bench just started."""
+    last = "no answer"
+    with trio.move_on_after(READY_TIMEOUT_S):
+        while True:
+            try:
+                response = await client.get(url + "/v1/models")
+                if response.status_code == 200:
+                    return
+                last = f"HTTP {response.status_code}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            await trio.sleep(0.2)
+    raise BenchError(
+        f"{url} did not answer GET /v1/models with 200 within {READY_TIMEOUT_S:.0f} s "
+        f"({last}); is it running and pointed at the bench's backends (--backend-ports)?"
+    )
 
 
 def _constant(url: str) -> Callable[[str], str]:

@@ -1,0 +1,122 @@
+"""Real-time runs: simulators and proxies as processes on loopback, driven over HTTP.
+
+Slow (tens of seconds each), so marked ``slow``: run with ``pytest -m slow tests/bench``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from tests.bench.synthetic import write_thunderagent
+from thunderproxy.bench import overhead
+from thunderproxy.bench.config import BenchConfig
+from thunderproxy.bench.demo import DemoConfig, run_demo
+from thunderproxy.bench.harness import run_bench
+
+pytestmark = pytest.mark.slow
+
+#: Figures that must agree within 10% between a virtual and a real-time run of one workload.
+AGREE = ("steps_per_min", "output_tokens_per_s", "program_time_p50_s")
+
+
+def test_virtual_and_real_time_runs_agree_within_ten_percent(tmp_path: Path) -> None:
+    # Calls of a few hundred decoded tokens (seconds each, like the real trace's), so that the
+    # milliseconds HTTP adds per call stay small next to them.
+    trace = write_thunderagent(tmp_path / "calls.jsonl", programs=6, steps=5, output=(200, 400))
+    base = BenchConfig(trace=str(trace), targets=("direct", "tr"), concurrency=3, kv_tokens=9_000)
+    virtual = run_bench(dataclasses.replace(base, virtual=True))
+    real = run_bench(dataclasses.replace(base, time_scale=0.25), db=str(tmp_path / "r.db"))
+    for v, r in zip(virtual.results, real.results, strict=True):
+        assert r.figures["programs_completed"] == v.figures["programs_completed"] == 6
+        assert r.figures["errors"] == 0
+        for key in AGREE:
+            assert r.figures[key] == pytest.approx(v.figures[key], rel=0.10), (r.target, key)
+    # The real tr run is an ordinary audit run of the bench's own proxy.
+    tr = real.results[1]
+    assert tr.proxy_run_id is not None
+    assert tr.proxy_cpu_s is not None
+    assert tr.proxy_cpu_s > 0
+    conn = sqlite3.connect(tmp_path / "r.db")
+    (steps,) = conn.execute(
+        "select count(*) from steps where run_id = ?", (tr.proxy_run_id,)
+    ).fetchone()
+    conn.close()
+    assert steps == 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_external_proxy_pointed_at_the_bench_backends(tmp_path: Path) -> None:
+    backend_port, proxy_port = free_port(), free_port()
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "thunderproxy", "serve", "--port", str(proxy_port),
+         "--backends", f"http://127.0.0.1:{backend_port}", "--metrics-interval", "0.2",
+         "--db", str(tmp_path / "external.db"), "--router", "tr"],
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        trace = write_thunderagent(tmp_path / "calls.jsonl", programs=3, steps=3)
+        config = BenchConfig(
+            trace=str(trace),
+            targets=(f"http://127.0.0.1:{proxy_port}",),
+            concurrency=3,
+            kv_tokens=100_000,
+            time_scale=0.25,
+            backend_ports=(backend_port,),
+        )
+        report = run_bench(config)
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=30)
+    (result,) = report.results
+    assert result.figures["programs_completed"] == 3
+    assert result.figures["pause_time_total_s"] is None  # not ours to know
+    conn = sqlite3.connect(tmp_path / "external.db")
+    released = conn.execute(
+        "select count(*) from transitions where to_status = 'stopped'"
+    ).fetchone()
+    conn.close()
+    assert released == (3,)  # the bench released every program at its end
+
+
+async def test_the_demo_replays_through_tr_and_says_where_to_look(tmp_path: Path) -> None:
+    lines: list[str] = []
+    config = DemoConfig(
+        programs=3, max_steps=3, concurrency=2, time_scale=0.05, port=0,
+        db=str(tmp_path / "demo.db"), wait=False,
+    )  # fmt: skip
+    with trio.fail_after(120):
+        outcome = await run_demo(config, echo=lines.append, progress=False)
+    assert outcome.datasette_url == outcome.url + "/datasette/"
+    assert any(outcome.datasette_url in line for line in lines)
+    assert outcome.result.figures["programs_completed"] == 3
+    conn = sqlite3.connect(tmp_path / "demo.db")
+    assert conn.execute("select count(*) from steps").fetchone() == (9,)
+    conn.close()
+
+
+async def test_overhead_cells_measure_latency_and_proxy_cpu() -> None:
+    config = overhead.OverheadConfig(concurrencies=(2,), seconds=1.5, warmup_s=0.5, chunks=8)
+    with trio.fail_after(120):
+        cells = await overhead.run_overhead(config)
+    rows = overhead.report(cells)
+    direct, proxied = rows
+    assert direct["path"] == "direct"
+    assert proxied["path"] == "default"
+    assert direct["requests"] > 0
+    assert proxied["requests"] > 0
+    assert proxied["proxy_cpu_per_request_us"] > 0
+    assert "added_ttft_p50_ms" in proxied
+    assert "proxy_cpu_per_chunk_us" in overhead.table(rows)
