@@ -181,6 +181,7 @@ class Agents:
         self.progress = progress
         self.stall_s = STALL_S
         self._last_progress = 0.0
+        self._in_flight = 0
         self._system = (
             system_prompt(self.vocabulary, workload.system_tokens, seed=schedule.seed)
             if workload.system_tokens
@@ -217,7 +218,8 @@ class Agents:
         limit = self.stall_s * self.time_scale
         while True:
             await trio.sleep(limit / 8)
-            if self._now() - self._last_progress > limit:
+            # Stuck means calls are out and none comes back; long think times are not stuck.
+            if self._in_flight and self._now() - self._last_progress > limit:
                 running = [p.program_id for p in self.log.programs if p.finished_at is None]
                 raise BenchError(
                     f"No call ended for {self.stall_s:.0f} simulated seconds while "
@@ -272,15 +274,12 @@ class Agents:
             seed=self.schedule.seed,
         )
         gap_scale = self.schedule.gap_scale
-        previous_end: float | None = None
         reusable = 0
         try:
             for index, step in enumerate(spec.steps, start=1):
                 if step.at_s is not None:
-                    # Open-loop turns: at the recorded time, or when the last one ended.
-                    due = started_at + step.at_s * gap_scale * self.time_scale
-                    if previous_end is None or due > previous_end:
-                        await trio.sleep_until(max(due, self._now()))
+                    # Open-loop turns: at the recorded time, or now if the last one ended late.
+                    await trio.sleep_until(started_at + step.at_s * gap_scale * self.time_scale)
                 elif index > 1:
                     await self._sleep_sim(step.gap_before_s * gap_scale)
                 conversation.prepare(step)
@@ -293,7 +292,6 @@ class Agents:
                 # Append-only history is reusable by the next call; block prompts say
                 # themselves what they share, so nothing is counted for them.
                 reusable = len(conversation.ids) if step.blocks is None else 0
-                previous_end = self._now()
                 log.steps = index
                 self._changed()
             log.completed = True
@@ -313,7 +311,13 @@ class Agents:
     ) -> CallResult | None:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             sent_at = self._now()
-            result = await self.transport.call(program_id, index, conversation, output_tokens)
+            if not self._in_flight:
+                self._last_progress = sent_at  # the stall clock starts with the first call out
+            self._in_flight += 1
+            try:
+                result = await self.transport.call(program_id, index, conversation, output_tokens)
+            finally:
+                self._in_flight -= 1
             self._last_progress = self._now()
             self.log.steps.append(
                 StepLog(

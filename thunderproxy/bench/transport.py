@@ -27,6 +27,7 @@ from .agent import CallResult
 from .prompts import Conversation
 
 ENDPOINT = "/v1/chat/completions"
+RELEASE_TIMEOUT_S = 10.0
 
 
 def request_body(
@@ -157,12 +158,14 @@ class HttpTransport:
     async def release(self, program_id: str) -> None:
         if self.proxy_url is None:
             return
-        try:
-            await self.client.post(
-                self.proxy_url + "/programs/release", json={"program_id": program_id}
-            )
-        except httpx.HTTPError:
-            pass  # a proxy that lost the program already has nothing to release
+        # Bounded: this runs shielded at a program's end, and a hung proxy must not hang it.
+        with trio.move_on_after(RELEASE_TIMEOUT_S):
+            try:
+                await self.client.post(
+                    self.proxy_url + "/programs/release", json={"program_id": program_id}
+                )
+            except httpx.HTTPError:
+                pass  # a proxy that lost the program already has nothing to release
 
 
 class InProcessTransport:
