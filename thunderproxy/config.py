@@ -107,12 +107,12 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "acting_half_life",
-        2.0 * SECONDS,
+        5.0 * SECONDS,
         "tr: half-life of an acting program's tokens in the capacity model (0: no decay).",
     ),
     Setting(
         "max_wait",
-        120.0 * SECONDS,
+        300.0 * SECONDS,
         "tr: a paused program with a waiting request is resumed after this long, capacity "
         "or not; at half of it, it reserves the next free capacity.",
     ),
@@ -209,8 +209,8 @@ class Settings:
     pause_cooldown: float = 5.0
     resume_cooldown: float = 5.0
     tool_coefficient: float = 1.0
-    acting_half_life: float = 2.0
-    max_wait: float = 120.0
+    acting_half_life: float = 5.0
+    max_wait: float = 300.0
     resume_protection: float = 30.0
     idle_lease: float = 600.0
     target_fill: float = 0.95

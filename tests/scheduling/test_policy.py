@@ -203,3 +203,19 @@ def test_a_returning_program_that_would_overflow_waits() -> None:
     assert policy.on_return(protected, backend(10_000), [*others], CFG, now=5.0).action is (
         Action.ADMIT
     )
+
+
+def test_reasoning_programs_are_marked_only_when_calls_alone_overflow() -> None:
+    # The overflow comes from an idle program that cannot be paused (protected): marking a
+    # busy program would cost it a long wait and save no cache.
+    programs = [
+        prog("busy", R, 6_000),
+        prog("forced", A, 5_000, acting_since=0.0, protected_until=1e9),
+    ]
+    assert policy.enforce(backend(10_000), programs, CFG, now=1.0) == []
+    # Calls in flight alone exceed the cache: the youngest is marked.
+    crowded = [prog("old", R, 6_000, created_at=0.0), prog("young", R, 5_000, created_at=1.0)]
+    decisions = policy.enforce(backend(10_000), crowded, CFG, now=1.0)
+    assert [(d.action, d.program_id, d.rule) for d in decisions] == [
+        (Action.MARK, "young", "calls_exceed_capacity")
+    ]

@@ -47,8 +47,8 @@ class PolicyConfig:
     pause_cooldown_s: float = 5.0
     resume_cooldown_s: float = 5.0
     tool_coefficient: float = 1.0
-    acting_half_life_s: float = 2.0
-    max_wait_s: float = 120.0
+    acting_half_life_s: float = 5.0
+    max_wait_s: float = 300.0
     resume_protection_s: float = 30.0
     idle_lease_s: float = 600.0
     target_fill: float = 0.95
@@ -253,15 +253,27 @@ def enforce(
         used -= credit
         if used <= cap:
             return decisions
+    # Marking is for what pausing idle programs cannot fix: calls in flight that alone exceed
+    # the cache, which the engine would answer with preemptions. An overflow made of idle
+    # programs' decayed claims is left to them: marking a busy program for it costs that
+    # program a long wait and saves nobody's cache.
+    busy = [
+        p
+        for p in mine
+        if p.status is ProgramStatus.REASONING
+        or (p.status is ProgramStatus.ACTING and p.waiting_since is not None)
+    ]
+    reasoning_used = used_tokens(b, busy, cfg, now)
     reasoning = sorted(
         (p for p in movable if p.status is ProgramStatus.REASONING),
         key=lambda p: -p.created_at,
     )
     for p in reasoning:
-        decisions.append(_decision(Action.MARK, p, "over_capacity", b, cfg, now, used))
-        used -= weight(p, cfg, now)
-        if used <= cap:
+        if reasoning_used <= cap:
             break
+        decisions.append(_decision(Action.MARK, p, "calls_exceed_capacity", b, cfg, now, used))
+        reasoning_used -= weight(p, cfg, now)
+        used -= weight(p, cfg, now)
     return decisions
 
 
