@@ -54,7 +54,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "router",
-        "default",
+        "tr",
         "Scheduling mode: 'tr' pauses and resumes whole programs to keep KV cache, "
         "'default' only proxies.",
         choices=("default", "tr"),
@@ -194,7 +194,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8300
     backends: tuple[str, ...] = ()
-    router: str = "default"
+    router: str = "tr"
     profile: bool = True
     metrics: bool = True
     metrics_interval: float = 5.0

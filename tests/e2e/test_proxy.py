@@ -149,8 +149,8 @@ async def test_health_and_metrics(client: httpx.AsyncClient, sim: Simulator) -> 
     await client.post("/v1/chat/completions", json={**CHAT, "program_id": "h"}, headers=FIVE)
     health = (await client.get("/health")).json()
     assert health["status"] == "ok"
-    assert health["router_mode"] == "default"
-    assert health["scheduling_enabled"] is False
+    assert health["router_mode"] == "tr"
+    assert health["scheduling_enabled"] is True
     assert health["backends"] == [sim.url]
     assert health["programs_count"] == 1
     assert health["acting_count"] == 1
@@ -338,4 +338,4 @@ async def test_clean_shutdown_writes_every_audit_row(sim: Simulator, tmp_path: P
     stopped = query(db, "select reason from transitions where to_status = 'stopped'")
     assert stopped == [{"reason": "released by client"}]
     runs = query(db, "select stopped_at is not null as stopped, router from runs")
-    assert runs == [{"stopped": 1, "router": "default"}]
+    assert runs == [{"stopped": 1, "router": "tr"}]
