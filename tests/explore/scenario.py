@@ -223,5 +223,11 @@ async def run_scenario(db: Path) -> History:
                 assert r.status_code == 200
                 r = await client.post("/programs/release", json={"program_id": "epsilon"})
                 assert r.status_code == 200
+                # Two requests the proxy refuses itself: they leave only a rejections row.
+                r = await client.post("/v1/chat/completions", content=b"{not json")
+                assert r.status_code == 400
+                await trio.sleep(0.01)
+                r = await client.post("/programs/release", json={"program_id": "ghost"})
+                assert r.status_code == 404
         nursery.cancel_scope.cancel()
     return history

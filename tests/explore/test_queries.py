@@ -37,7 +37,7 @@ def test_every_query_is_documented_and_declares_exactly_its_parameters() -> None
 #: Created by migrations 001 to 003: the explorer's metadata must describe each of them.
 CORE = {
     "runs", "transitions", "steps", "backend_samples", "decisions", "schema_migrations",
-    "program_states", "step_timings", "program_summary", "backend_timeline",
+    "program_states", "step_timings", "program_summary", "backend_timeline", "rejections",
 }  # fmt: skip
 
 
@@ -247,6 +247,16 @@ def test_failures(history: History) -> None:
     assert delta["retry_after_s"] >= 0
     assert len(run_canned(history.db, "failures", program_id="delta")) == 1
     assert run_canned(history.db, "failures", since=str(history.gap_at)) == []
+
+
+def test_refused(history: History) -> None:
+    rows = run_canned(history.db, "refused")
+    assert [(r["path"], r["status"], r["error_type"], r["program_id"]) for r in rows] == [
+        ("/programs/release", 404, "not_found_error", "ghost"),
+        ("/v1/chat/completions", 400, "invalid_request_error", None),
+    ]
+    assert "not valid JSON" in rows[1]["message"]
+    assert run_canned(history.db, "refused", until=str(history.gap_at)) == []
 
 
 def test_slowest_steps(history: History) -> None:
