@@ -93,7 +93,8 @@ def serve_argv(settings: Settings) -> list[str]:
     default = Settings()
     for f in dataclasses.fields(Settings):
         value = getattr(settings, f.name)
-        if value == getattr(default, f.name) and f.name not in ("host", "port"):
+        # The router is always named: a benchmark must not change meaning with a default.
+        if value == getattr(default, f.name) and f.name not in ("host", "port", "router"):
             continue
         flag = SETTINGS_BY_NAME[f.name].flag
         if isinstance(value, bool):
