@@ -28,13 +28,16 @@ SHORT_NAMES = {
 DEFAULT_TRACE = "thunderagent"
 
 
-def traces_dir() -> Path:
-    """``$THUNDERPROXY_TRACES``, else ``../shared/traces`` beside the repository root."""
+def traces_dirs() -> list[Path]:
+    """``$THUNDERPROXY_TRACES``, else ``../shared/traces`` beside the repository root: found
+    from the package in a checkout, or from the working directory when the package runs from
+    the zipapp's cache (``python3 dist/thunderproxy.pyz`` in the repository root)."""
     configured = os.environ.get(TRACES_ENV)
     if configured:
-        return Path(configured)
+        return [Path(configured)]
     # thunderproxy/bench/traces.py -> the repository root is two folders up from the package.
-    return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    beside_checkout = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    return [beside_checkout, Path.cwd().parent / "shared" / "traces"]
 
 
 def resolve(trace: str) -> Path:
@@ -42,7 +45,7 @@ def resolve(trace: str) -> Path:
     name = SHORT_NAMES.get(trace, trace)
     candidates = [Path(name)]
     if not Path(name).is_absolute():
-        candidates.append(traces_dir() / name)
+        candidates += [folder / name for folder in traces_dirs()]
     for candidate in candidates:
         if candidate.is_file():
             return candidate
