@@ -75,8 +75,8 @@ PROFILES: dict[str, TimingProfile] = {
                  "Llama-3.1-70B BF16, TP8 on H100"),
         # Fitted by `python -m thunderproxy.sim.calibrate` to the ThunderAgent SWE-agent
         # runs (GLM-4.5-FP8 on vLLM at 1/4/32 agents); docs/SIMULATOR.md has the fit.
-        _profile("glm45-swe",  2.0, 10.0, 15.0, 128, 50.0, 1.4, 1_500_000,
-                 "fitted to ../shared/traces/thunderagent_* (GLM-4.5-FP8)", c_prep_us=6.0),
+        _profile("glm45-swe",  2.0, 14.2, 16.9, 128, 80.0, 1.4, 1_500_000,
+                 "fitted to ../shared/traces/thunderagent_* (GLM-4.5-FP8)", c_prep_us=5.3),
     )
 }  # fmt: skip
 

@@ -305,6 +305,8 @@ class Engine:
             nominal += dt * self.config.time_scale
             await trio.sleep_until(nominal)
             end = trio.current_time()
+            if sched is not self.scheduler:
+                continue  # reset() while the step ran: its results belong to nobody
             self._account_clock(dt, mark, end, nominal)
             mark = end
             results = sched.complete_step(plan)
