@@ -348,12 +348,27 @@ async def preemption_overload(client: httpx.AsyncClient) -> dict[str, Any]:
     async def stream(seed: int) -> None:
         finals.append(await completion(client, prompt(40 + seed, 608), max_tokens=700))
 
+    peaks = {"running": 0.0, "waiting": 0.0}
+
+    async def sample() -> None:
+        while True:
+            families = parse_metrics((await client.get("/metrics")).text)
+            for key in peaks:
+                value = families[f"vllm:num_requests_{key}"].samples[0][2]
+                peaks[key] = max(peaks[key], value)
+            await trio.sleep(0.02)
+
     async with trio.open_nursery() as nursery:
-        for seed in range(6):
-            nursery.start_soon(stream, seed)
+        nursery.start_soon(sample)
+        async with trio.open_nursery() as streams:
+            for seed in range(6):
+                streams.start_soon(stream, seed)
+        nursery.cancel_scope.cancel()
     after = await counters(client)
     delta = {k: after[k] - before[k] for k in after}
     return {
+        "peak_running": peaks["running"],
+        "peak_waiting": peaks["waiting"],
         "completion_tokens": sorted(f["usage"]["completion_tokens"] for f in finals),
         "preemptions": delta["vllm:num_preemptions_total"],
         "queries": delta["vllm:prefix_cache_queries_total"],
@@ -369,6 +384,9 @@ async def test_preemption_under_overload_matches(vllm_url: str) -> None:
         assert side["preemptions"] > 0
         assert side["queries"] == side["prompt_tokens"] == 6 * 608  # resumed ones left out
         assert side["length"] == 6
+        # Sampled every 20 ms: at least four ran at once and at least one had to wait.
+        assert side["peak_running"] >= 4
+        assert side["peak_waiting"] >= 1
 
 
 async def disconnect_abort(client: httpx.AsyncClient) -> dict[str, Any]:
@@ -391,3 +409,23 @@ async def disconnect_abort(client: httpx.AsyncClient) -> dict[str, Any]:
 async def test_disconnect_aborts_like_vllm(vllm_url: str) -> None:
     real, sim = await both(disconnect_abort, vllm_url, "disconnect")
     assert sim == real
+
+
+async def limits_and_counts(client: httpx.AsyncClient) -> dict[str, Any]:
+    clamped = await completion(client, prompt(70, 2000), max_tokens=100)
+    messages = [{"role": "system", "content": "ka lo mi " * 20}, {"role": "user", "content": "go"}]
+    tok = (await client.post("/tokenize", json={"model": MODEL, "messages": messages})).json()
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1}
+    chat = await client.post("/v1/chat/completions", json=body)
+    default = await completion(client, prompt(71, 10), max_tokens=None)
+    return {
+        "clamped_completion_tokens": clamped["usage"]["completion_tokens"],
+        "tokenize_matches_prompt_tokens": tok["count"] == chat.json()["usage"]["prompt_tokens"],
+        "default_max_tokens": default["usage"]["completion_tokens"],
+    }
+
+
+async def test_limits_and_token_counts_match(vllm_url: str) -> None:
+    real, sim = await both(limits_and_counts, vllm_url, "limits")
+    assert sim == real == {"clamped_completion_tokens": 48, "tokenize_matches_prompt_tokens": True,
+                           "default_max_tokens": 16}  # fmt: skip
