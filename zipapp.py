@@ -84,8 +84,18 @@ def main() -> None:
     STAGING.mkdir(parents=True)
     print(f"installing {len(dependencies())} dependencies into {STAGING.relative_to(HERE)} ...")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         "--no-compile", "--target", str(STAGING), *dependencies()],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-compile",
+            "--target",
+            str(STAGING),
+            *dependencies(),
+        ],
         check=True,
     )
     for name in UNNEEDED:

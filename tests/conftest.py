@@ -9,8 +9,11 @@
 
 from __future__ import annotations
 
+import os
+import re
 import sqlite3
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -47,3 +50,29 @@ async def wait_for(predicate: Any, *, timeout: float = 5.0, interval: float = 0.
     with trio.fail_after(timeout):
         while not predicate():
             await trio.sleep(interval)
+
+
+LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
+
+
+async def spawn_serving(
+    argv: Sequence[str], env: dict[str, str] | None = None
+) -> tuple[trio.Process, str]:
+    """Start a ``serve`` process and wait for the line that says where it listens.
+
+    Its stderr stays a pipe the caller may read (or drain, if the process logs a lot)."""
+    process = await trio.lowlevel.open_process(
+        list(argv),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env=dict(os.environ) if env is None else env,
+    )
+    assert process.stderr is not None
+    seen = b""
+    with trio.fail_after(30):
+        while not (match := LISTENING.search(seen)):
+            chunk = await process.stderr.receive_some()
+            if not chunk:
+                raise AssertionError(f"serve exited before listening:\n{seen.decode()}")
+            seen += chunk
+    return process, match.group(1).decode()

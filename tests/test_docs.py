@@ -28,4 +28,5 @@ def test_the_two_commands_are_in_the_readme() -> None:
     assert "python3 zipapp.py && python3 dist/thunderproxy.pyz" in README
     ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
     assert ".venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'" in ci
-    assert "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest" in README
+    test_command = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest"
+    assert test_command in README

@@ -4,7 +4,6 @@ a bare interpreter), the official OpenAI client, SIGTERM, and the audit rows lef
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,12 +13,11 @@ import openai
 import pytest
 import trio
 
-from tests.conftest import query
+from tests.conftest import query, spawn_serving
 from thunderproxy.sim import SimConfig, open_simulator
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
-LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 
 
 @pytest.fixture(scope="session")
@@ -42,25 +40,6 @@ def command(kind: str, pyz: Path | None) -> list[str]:
     assert pyz is not None
     # -S: no site-packages at all, so everything must come from the archive itself.
     return [BASE_PYTHON, "-S", str(pyz)]
-
-
-async def start_serving(
-    argv: list[str], env: dict[str, str]
-) -> tuple[trio.Process, str, list[bytes]]:
-    process = await trio.lowlevel.open_process(
-        argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, cwd=ROOT
-    )
-    assert process.stderr is not None
-    output: list[bytes] = []
-    with trio.fail_after(30):
-        while True:
-            chunk = await process.stderr.receive_some()
-            if not chunk:
-                raise AssertionError(b"".join(output).decode())
-            output.append(chunk)
-            match = LISTENING.search(b"".join(output))
-            if match:
-                return process, match.group(1).decode(), output
 
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -96,7 +75,7 @@ async def test_served_process_speaks_to_the_openai_client_and_stops_cleanly_on_s
     db = tmp_path / "audit.db"
     env = {**os.environ, "THUNDERPROXY_PYZ_CACHE": str(tmp_path / "cache")}
     argv = [*command(kind, pyz), "serve", "--port", "0", "--backends", sim, "--db", str(db)]
-    process, url, output = await start_serving(argv, env)
+    process, url = await spawn_serving(argv, env)
     try:
         texts = await trio.to_thread.run_sync(openai_calls, url)
         assert all(texts)
@@ -122,7 +101,7 @@ async def test_sigterm_drains_a_stream_in_flight(nursery: trio.Nursery, tmp_path
     sim = await nursery.start(serve_simulator_task, SIM)
     db = tmp_path / "audit.db"
     argv = [*command("module", None), "serve", "--port", "0", "--backends", sim]
-    process, url, _ = await start_serving([*argv, "--db", str(db)], dict(os.environ))
+    process, url = await spawn_serving([*argv, "--db", str(db)], dict(os.environ))
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
         # ~150 decode steps of ~7 ms: still streaming when SIGTERM arrives after chunk one.

@@ -239,7 +239,9 @@ async def test_unreachable_backend_gives_openai_json_error(tmp_path: Path) -> No
         port = sock.getsockname()[1]
     dead = f"http://127.0.0.1:{port}"
     async with (
-        running_proxy(tmp_path / "a.db", backends=dead, metrics_interval=60, ready_timeout=0.5) as proxy,
+        running_proxy(
+            tmp_path / "a.db", backends=dead, metrics_interval=60, ready_timeout=0.5
+        ) as proxy,
         httpx.AsyncClient(base_url=proxy.url) as client,
     ):
         health = (await client.get("/health")).json()

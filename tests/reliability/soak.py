@@ -4,11 +4,8 @@ audit log with what was served. Used by test_soak.py at two sizes."""
 
 from __future__ import annotations
 
-import os
 import random
-import re
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,11 +13,10 @@ from pathlib import Path
 import httpx
 import trio
 
-from tests.conftest import query
+from tests.conftest import query, spawn_serving
 from thunderproxy.sim import SimConfig, open_simulator
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 STEPS_PER_PROGRAM = 8
 
 
@@ -49,18 +45,7 @@ def rss_kib(pid: int) -> int:
 async def _start(backend: str, db: Path) -> tuple[trio.Process, str]:
     argv = [sys.executable, "-m", "thunderproxy", "serve", "--port", "0", "--router", "tr"]
     argv += ["--backends", backend, "--db", str(db)]
-    argv += ["--metrics-interval", "1", "--max-connections", "2048"]
-    process = await trio.lowlevel.open_process(
-        argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=dict(os.environ)
-    )
-    assert process.stderr is not None
-    seen = b""
-    with trio.fail_after(30):
-        while not (match := LISTENING.search(seen)):
-            chunk = await process.stderr.receive_some()
-            assert chunk, seen.decode()
-            seen += chunk
-    return process, match.group(1).decode()
+    return await spawn_serving([*argv, "--metrics-interval", "1", "--max-connections", "2048"])
 
 
 async def soak(

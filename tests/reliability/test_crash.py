@@ -3,39 +3,24 @@ restores the program registry from what was written and carries on."""
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import trio
 
-from tests.conftest import query, running_proxy
+from tests.conftest import query, running_proxy, spawn_serving
 from thunderproxy.audit.writer import MAX_BATCH
 from thunderproxy.sim import SimConfig, open_simulator
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 AGENTS = 20
 
 
 async def start_proxy(backend: str, db: Path) -> tuple[trio.Process, str]:
     argv = [sys.executable, "-m", "thunderproxy", "serve", "--port", "0"]
-    argv += ["--backends", backend, "--db", str(db), "--log-level", "info"]
-    process = await trio.lowlevel.open_process(
-        argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=dict(os.environ)
-    )
-    assert process.stderr is not None
-    seen = b""
-    with trio.fail_after(30):
-        while not (match := LISTENING.search(seen)):
-            chunk = await process.stderr.receive_some()
-            assert chunk, seen.decode()
-            seen += chunk
-    return process, match.group(1).decode()
+    return await spawn_serving([*argv, "--backends", backend, "--db", str(db)])
 
 
 async def agents(client: httpx.AsyncClient, steps: int) -> None:

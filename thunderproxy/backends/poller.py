@@ -12,6 +12,7 @@ import trio
 from ..audit import AuditLog, BackendSample
 from ..errors import BackendError
 from ..programs import ProgramRegistry
+from ..programs.registry import BackendLoad
 from .metrics import interpret
 from .pool import Backend, BackendPool, map_httpx_errors
 
@@ -48,6 +49,26 @@ async def poll_all(pool: BackendPool, *, metrics: bool) -> None:
             nursery.start_soon(partial(poll_backend, backend, metrics=metrics))
 
 
+def backend_sample(backend: Backend, load: BackendLoad | None, now: float) -> BackendSample:
+    """The ``backend_samples`` row for a backend as its latest poll left it."""
+    snap = backend.snapshot
+    return BackendSample(
+        at=now,
+        backend=backend.url,
+        healthy=backend.healthy,
+        capacity_tokens=None if snap is None else snap.capacity_tokens,
+        kv_usage=None if snap is None else snap.kv_usage,
+        running=None if snap is None or snap.running is None else int(snap.running),
+        waiting=None if snap is None or snap.waiting is None else int(snap.waiting),
+        prefix_queries_total=None if snap is None else snap.prefix_queries_total,
+        prefix_hits_total=None if snap is None else snap.prefix_hits_total,
+        preemptions_total=None if snap is None else snap.preemptions_total,
+        programs=0 if load is None else load.total,
+        active_tokens=0 if load is None else load.active_tokens,
+        error=backend.last_error,
+    )
+
+
 async def wait_until_ready(pool: BackendPool, *, interval: float = 0.5) -> None:
     """Poll /health until every backend answers (health-gated start); the caller bounds the
     wait. Progress goes to the log every few seconds."""
@@ -81,25 +102,7 @@ async def serve_metrics_poller(
         loads = registry.load_by_backend()
         now = trio.current_time()
         for backend in pool:
-            snap = backend.snapshot
-            load = loads.get(backend.url)
-            audit.record(
-                BackendSample(
-                    at=now,
-                    backend=backend.url,
-                    healthy=backend.healthy,
-                    capacity_tokens=None if snap is None else snap.capacity_tokens,
-                    kv_usage=None if snap is None else snap.kv_usage,
-                    running=None if snap is None or snap.running is None else int(snap.running),
-                    waiting=None if snap is None or snap.waiting is None else int(snap.waiting),
-                    prefix_queries_total=None if snap is None else snap.prefix_queries_total,
-                    prefix_hits_total=None if snap is None else snap.prefix_hits_total,
-                    preemptions_total=None if snap is None else snap.preemptions_total,
-                    programs=0 if load is None else load.total,
-                    active_tokens=0 if load is None else load.active_tokens,
-                    error=backend.last_error,
-                )
-            )
+            audit.record(backend_sample(backend, loads.get(backend.url), now))
         if on_poll is not None:
             on_poll()
         if not started:

@@ -16,6 +16,7 @@ the production ones, only wired without HTTP:
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -23,9 +24,10 @@ from typing import Any
 import trio
 from trio.testing import MockClock
 
-from ..audit import AuditLog, BackendSample
+from ..audit import AuditLog
 from ..audit.records import AuditRecord, StepRecord, TransitionRecord
 from ..backends import BackendPool, interpret, open_backend_pool
+from ..backends.poller import backend_sample
 from ..programs import ProgramRegistry, ProgramStatus
 from ..programs.profile import Profiles
 from ..scheduling import Scheduler
@@ -99,24 +101,7 @@ async def serve_engine_metrics(
                 backend.snapshot = snapshot
             backend.mark_ok()
             backend.last_poll_at = now
-            load = loads.get(backend.url)
-            snap = backend.snapshot
-            audit.record(
-                BackendSample(
-                    at=now,
-                    backend=backend.url,
-                    healthy=True,
-                    capacity_tokens=None if snap is None else snap.capacity_tokens,
-                    kv_usage=None if snap is None else snap.kv_usage,
-                    running=None if snap is None or snap.running is None else int(snap.running),
-                    waiting=None if snap is None or snap.waiting is None else int(snap.waiting),
-                    prefix_queries_total=None if snap is None else snap.prefix_queries_total,
-                    prefix_hits_total=None if snap is None else snap.prefix_hits_total,
-                    preemptions_total=None if snap is None else snap.preemptions_total,
-                    programs=0 if load is None else load.total,
-                    active_tokens=0 if load is None else load.active_tokens,
-                )
-            )
+            audit.record(backend_sample(backend, loads.get(backend.url), now))
         if not started:
             started = True
             task_status.started()
@@ -213,6 +198,21 @@ def _settings_dict(settings: Any) -> dict[str, Any]:
     return asdict(settings)
 
 
+def seed_trio_scheduler(seed: int) -> bool:
+    """Make trio's task order reproducible. trio reverses each batch of runnable tasks at
+    random (so that no code relies on an order); under the virtual clock many tasks wake at the
+    same instant (all arrivals of one Mooncake timestamp), and that coin decides which request
+    reaches the engine first. Seeding it makes a virtual run repeat exactly. trio has no public
+    knob for this (only its Hypothesis plugin seeds it), hence the private name, checked."""
+    from trio._core import _run as trio_run
+
+    rng = getattr(trio_run, "_r", None)
+    if not isinstance(rng, random.Random):
+        return False  # a trio without it: runs stay valid, only not bit-for-bit repeatable
+    rng.seed(f"thunderproxy-bench:{seed}")
+    return True
+
+
 def run(
     workload: Workload,
     config: BenchConfig,
@@ -222,6 +222,7 @@ def run(
     progress: Progress | None = None,
 ) -> TargetResult:
     """Run one target in its own trio run on a fresh virtual clock."""
+    seed_trio_scheduler(config.seed)
     with ungrouped_errors():
         result: TargetResult = trio.run(
             partial(
