@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .agent import RunLog
@@ -75,14 +74,6 @@ def sum_truth(states: Iterable[Mapping[str, Any]]) -> dict[str, float]:
         lag = state.get("clock", {}).get("max_lag_seconds", 0.0)
         totals["max_lag_s"] = max(totals["max_lag_s"], float(lag))
     return totals
-
-
-@dataclass(frozen=True)
-class Figures:
-    values: dict[str, Any]
-
-    def __getitem__(self, key: str) -> Any:
-        return self.values[key]
 
 
 def compute(

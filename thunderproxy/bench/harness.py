@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -165,8 +167,6 @@ def run_bench(
 
 
 def _timed(fn: Callable[[], TargetResult]) -> TargetResult:
-    import time
-
     start = time.perf_counter()
     result = fn()
     result.wall_s = time.perf_counter() - start
@@ -181,8 +181,6 @@ async def _real_time(
     bar: Callable[[str, int], ProgressBar | None],
     finished: Callable[[TargetResult], None],
 ) -> None:
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="thunderproxy-bench-") as scratch:
         audit_db = db or str(Path(scratch) / "audit.db")
         async with (

@@ -15,6 +15,7 @@ the production ones, only wired without HTTP:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -188,14 +189,8 @@ async def run_target(
         truth=totals,
         clock="virtual",
         audit_records=records,
-        proxy_settings={} if settings is None else _settings_dict(settings),
+        proxy_settings={} if settings is None else dataclasses.asdict(settings),
     )
-
-
-def _settings_dict(settings: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(settings)
 
 
 def seed_trio_scheduler(seed: int) -> bool:
