@@ -123,10 +123,14 @@ def weight(p: ProgramView, cfg: PolicyConfig, now: float) -> int:
     return 0
 
 
-def limit(b: BackendView, cfg: PolicyConfig) -> int | None:
+def limit(b: BackendView, cfg: PolicyConfig, *, fill: float | None = None) -> int | None:
+    """Tokens the policy lets programs claim on ``b``: ``target_fill`` of the capacity for
+    programs that are not running yet, all of it (``fill=1``) before running ones are moved.
+    The gap between the two absorbs the prompts' growth from step to step, so a program let
+    in is not pushed out again by the next growth of its neighbours."""
     if b.capacity_tokens is None:
         return None
-    return int(b.capacity_tokens * b.capacity_factor * cfg.target_fill)
+    return int(b.capacity_tokens * b.capacity_factor * (cfg.target_fill if fill is None else fill))
 
 
 def used_tokens(
@@ -154,8 +158,12 @@ def _decision(
     cfg: PolicyConfig,
     now: float,
     used: int | None,
+    *,
+    cap: int | None = None,
     **extra: Any,
 ) -> Decision:
+    """A decision with its inputs; ``cap`` is the limit the rule compared against (by default
+    the limit for programs not running yet)."""
     idle = None if p.acting_since is None else round(now - p.acting_since, 6)
     since = p.waiting_since if p.waiting_since is not None else p.paused_since
     return Decision(
@@ -163,7 +171,7 @@ def _decision(
         program_id=p.program_id,
         rule=rule,
         backend=p.backend if b is None else b.url,
-        capacity_tokens=None if b is None else limit(b, cfg),
+        capacity_tokens=cap if cap is not None or b is None else limit(b, cfg),
         used_tokens=used,
         program_tokens=p.tokens,
         idle_s=idle,
@@ -209,24 +217,24 @@ def on_return(
     that were idle at the same time come back at the same time. A program that would overflow
     the backend waits like a paused one (its wait counts from now, so it is served in order).
     """
-    cap = limit(b, cfg)
+    cap = limit(b, cfg, fill=1.0)
     others = [q for q in programs if q.program_id != p.program_id]
     used = used_tokens(b, others, cfg, now)
     if cap is None:
-        return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, used)
+        return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, used, cap=cap)
     if p.protected_until > now:
-        return _decision(Action.ADMIT, p, "protected", b, cfg, now, used)
+        return _decision(Action.ADMIT, p, "protected", b, cfg, now, used, cap=cap)
     need = p.tokens + cfg.decode_buffer - (b.shared_prefix_tokens if used else 0)
     if used + need <= cap:
-        return _decision(Action.ADMIT, p, "fits", b, cfg, now, used)
-    return _decision(Action.PAUSE, p, "no_room_on_return", b, cfg, now, used)
+        return _decision(Action.ADMIT, p, "fits", b, cfg, now, used, cap=cap)
+    return _decision(Action.PAUSE, p, "no_room_on_return", b, cfg, now, used, cap=cap)
 
 
 def enforce(
     b: BackendView, programs: Sequence[ProgramView], cfg: PolicyConfig, now: float
 ) -> list[Decision]:
     """Pause or mark programs on ``b`` until its projected use fits its capacity."""
-    cap = limit(b, cfg)
+    cap = limit(b, cfg, fill=1.0)
     if cap is None or not b.healthy:
         return []
     if b.last_pause_at is not None and now - b.last_pause_at < cfg.pause_cooldown_s:
@@ -249,7 +257,7 @@ def enforce(
         credit = weight(p, cfg, now)
         if credit <= 0:
             continue
-        decisions.append(_decision(Action.PAUSE, p, "over_capacity", b, cfg, now, used))
+        decisions.append(_decision(Action.PAUSE, p, "over_capacity", b, cfg, now, used, cap=cap))
         used -= credit
         if used <= cap:
             return decisions
@@ -271,7 +279,9 @@ def enforce(
     for p in reasoning:
         if reasoning_used <= cap:
             break
-        decisions.append(_decision(Action.MARK, p, "calls_exceed_capacity", b, cfg, now, used))
+        decisions.append(
+            _decision(Action.MARK, p, "calls_exceed_capacity", b, cfg, now, used, cap=cap)
+        )
         reasoning_used -= weight(p, cfg, now)
         used -= weight(p, cfg, now)
     return decisions
