@@ -50,6 +50,7 @@ class Totals:
     completion_tokens: int = 0
     requests: int = 0
     errors: int = 0
+    max_prompt: int = 0
     ttft: list[float] = field(default_factory=list)  # simulated seconds, client side
 
 
@@ -70,7 +71,7 @@ async def run_program(
     while True:
         await run_episode(client, load, f"agent{index}.{episode}", rng, model, totals, stop_at)
         episode += 1
-        if trio.current_time() >= stop_at:
+        if not load.duration or trio.current_time() >= stop_at:
             return
 
 
@@ -101,6 +102,7 @@ async def run_episode(
             return
         totals.requests += 1
         totals.prompt_tokens += usage["prompt_tokens"]
+        totals.max_prompt = max(totals.max_prompt, usage["prompt_tokens"])
         totals.completion_tokens += usage["completion_tokens"]
         details = usage.get("prompt_tokens_details") or {}
         totals.cached_tokens += details.get("cached_tokens", 0)
@@ -169,6 +171,7 @@ async def run_row(url: str, load: Workload) -> dict[str, Any]:
         after_m = (await client.get("/metrics")).text
         after = (await client.get("/_sim/state")).json()
     clock0, clock1 = before["clock"], after["clock"]
+    capacity = after["blocks"]["total"] * after["blocks"]["block_size"]
     nominal = clock1["busy_nominal_wall_seconds"] - clock0["busy_nominal_wall_seconds"]
     actual = clock1["busy_wall_seconds"] - clock0["busy_wall_seconds"]
     ttft = sorted(totals.ttft) or [0.0]
@@ -181,6 +184,7 @@ async def run_row(url: str, load: Workload) -> dict[str, Any]:
         "programs": load.programs,
         "requests": totals.requests,
         "errors": totals.errors,
+        "kv_demand": load.programs * totals.max_prompt / capacity if capacity else 0.0,
         "hit_rate": totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0,
         "evictions": after["counters"]["evictions"] - before["counters"]["evictions"],
         "preemptions": metric(after_m, "vllm:num_preemptions_total")
@@ -231,6 +235,7 @@ async def spawned_row(sim_args: list[str], load: Workload) -> dict[str, Any]:
 COLUMNS = [
     ("programs", "programs", "{}"),
     ("requests", "requests", "{}"),
+    ("kv_demand", "peak KV demand / capacity", "{:.2f}"),
     ("hit_rate", "prefix-hit rate", "{:.1%}"),
     ("evictions", "evicted blocks", "{}"),
     ("preemptions", "preemptions", "{:.0f}"),
