@@ -128,8 +128,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "target_fill",
-        0.95,
-        "tr: fraction of each backend's KV capacity the scheduler plans to fill.",
+        0.9,
+        "tr: fraction of each backend's KV capacity that new and resumed programs may fill; "
+        "running programs are moved only past the full capacity.",
     ),
     Setting(
         "gate_returns",
@@ -213,7 +214,7 @@ class Settings:
     max_wait: float = 300.0
     resume_protection: float = 30.0
     idle_lease: float = 600.0
-    target_fill: float = 0.95
+    target_fill: float = 0.9
     gate_returns: bool = True
     monitor_interval: float = 1.0
     restore: bool = True
@@ -292,7 +293,7 @@ def load_settings(values: Mapping[str, Any] | None = None, **overrides: Any) -> 
     for name in ("metrics_interval", "monitor_interval"):
         if raw.get(name, 1.0) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds.")
-    if not 0 < raw.get("target_fill", 0.95) <= 1:
+    if not 0 < raw.get("target_fill", 0.9) <= 1:
         raise ConfigError("--target-fill must be in (0, 1].")
     return Settings(**{k: v for k, v in raw.items() if v is not None})
 

@@ -6,7 +6,8 @@ The model (seed 000, with its known defects fixed; docs/SCHEDULING.md has the fu
     used(backend) = Σ REASONING (tokens + decode_buffer)            marked programs credited
                   + Σ ACTING   tokens · tool_coefficient · 2^(-idle / half_life)
                   − (active − 1) · shared_prefix_tokens              cross-program prefix credit
-    fits when used ≤ capacity_tokens · capacity_factor · target_fill
+    a program not running yet fits when used ≤ capacity_tokens · capacity_factor · target_fill;
+    running programs are moved only when used > capacity_tokens · capacity_factor
 
 Over capacity, ACTING programs are paused, the longest idle first (their cache is the coldest
 and their return the least imminent); if that is not enough, REASONING programs are marked and
@@ -51,7 +52,7 @@ class PolicyConfig:
     max_wait_s: float = 300.0
     resume_protection_s: float = 30.0
     idle_lease_s: float = 600.0
-    target_fill: float = 0.95
+    target_fill: float = 0.9
     #: 0: newcomers always queue; else a newcomer expected to wait longer is refused (429).
     max_queue_wait_s: float = 0.0
     #: A returning program whose call would overflow its backend waits for room.
