@@ -60,6 +60,8 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     # whose request is incomplete as idle) and again for its body (Quart's BODY_TIMEOUT).
     config.keep_alive_timeout = settings.client_timeout
     config.h11_max_incomplete_size = settings.max_header_bytes
+    # Hundreds of agents may connect at once; hypercorn's default backlog of 100 resets the rest.
+    config.backlog = 4096
     return config
 
 

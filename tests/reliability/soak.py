@@ -24,7 +24,7 @@ STEPS_PER_PROGRAM = 8
 class SoakResult:
     served: int = 0
     programs_done: int = 0
-    errors: dict[int, int] = field(default_factory=dict)
+    errors: dict[int | str, int] = field(default_factory=dict)
     rss_kib: list[int] = field(default_factory=list)
     audit_steps: int = 0
     exit_code: int | None = None
@@ -78,13 +78,15 @@ async def soak(
                                 "program_id": pid,
                                 "stream": step % 2 == 0,
                             }
-                            r = await client.post("/v1/chat/completions", json=body)
-                            if r.status_code == 200:
+                            try:
+                                r = await client.post("/v1/chat/completions", json=body)
+                                outcome: int | str = r.status_code
+                            except httpx.HTTPError as exc:
+                                outcome = type(exc).__name__  # e.g. a reset connection
+                            if outcome == 200:
                                 result.served += 1
                             else:
-                                result.errors[r.status_code] = (
-                                    result.errors.get(r.status_code, 0) + 1
-                                )
+                                result.errors[outcome] = result.errors.get(outcome, 0) + 1
                             history += " observation line" * rng.randint(5, 30)
                             await trio.sleep(rng.uniform(0.2, 2.0))  # the tool runs
                             if trio.current_time() >= stop_at:
@@ -99,7 +101,7 @@ async def soak(
                         if report:
                             print(
                                 f"t={len(result.rss_kib) * 5:>4}s served={result.served} "
-                                f"errors={result.proxy_errors} rss={result.rss_kib[-1]} KiB",
+                                f"errors={result.errors} rss={result.rss_kib[-1]} KiB",
                                 flush=True,
                             )
                         await trio.sleep(5)

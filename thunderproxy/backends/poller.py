@@ -10,7 +10,7 @@ from functools import partial
 import trio
 
 from ..audit import AuditLog, BackendSample
-from ..errors import BackendError
+from ..errors import BackendError, BackendTimeout
 from ..programs import ProgramRegistry
 from ..programs.registry import BackendLoad
 from .metrics import interpret
@@ -37,6 +37,10 @@ async def poll_backend(backend: Backend, *, metrics: bool) -> None:
                     if snapshot is not None:
                         backend.snapshot = snapshot
         backend.mark_ok()
+    except BackendTimeout as exc:
+        # A backend too busy to answer in time is not a dead one: only repeated slow probes
+        # (or slow requests) take it out of placement.
+        backend.record_failure(exc.message)
     except BackendError as exc:
         backend.mark_failed(exc.message)
     finally:

@@ -38,6 +38,8 @@ def _hypercorn_config(host: str, port: int) -> HypercornConfig:
     # Agents idle between turns (tool calls) longer than hypercorn's 5 s default.
     config.keep_alive_timeout = 120.0
     config.graceful_timeout = 2.0
+    # A proxy in front opens hundreds of connections at once under load.
+    config.backlog = 4096
     return config
 
 
