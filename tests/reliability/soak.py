@@ -63,7 +63,8 @@ async def soak(
         process, url = await _start(sim.url, db)
         limits = httpx.Limits(max_connections=programs + 16, max_keepalive_connections=programs)
         try:
-            async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+            # Longer than --max-wait: under tr a call may wait that long for KV capacity.
+            async with httpx.AsyncClient(base_url=url, timeout=400, limits=limits) as client:
                 stop_at = trio.current_time() + seconds
 
                 async def program(slot: int) -> None:
