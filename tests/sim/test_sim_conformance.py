@@ -25,9 +25,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from conftest import parse_metrics
 
 from thunderproxy.sim import SimConfig, open_simulator
+
+from .helpers import parse_metrics
 
 pytestmark = pytest.mark.conformance
 

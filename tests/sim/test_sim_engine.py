@@ -6,10 +6,11 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
-from conftest import SMALL, token_prompt
 from trio.testing import MockClock
 
 from thunderproxy.sim import Engine, EngineDeadError, QueueFullError, SimConfig, StepOutput
+
+from .helpers import SMALL, token_prompt
 
 Start = Callable[[SimConfig], Awaitable[Engine]]
 

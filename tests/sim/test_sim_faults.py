@@ -8,9 +8,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from conftest import SMALL
 
 from thunderproxy.sim import SimConfig, Simulator, open_simulator
+
+from .helpers import SMALL
 
 REAL_TIME = {"time_scale": 1.0}
 LONG = {"prompt": list(range(100, 400)), "max_tokens": 1000, "ignore_eos": True}

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import parse_metrics
 
 from thunderproxy.sim.exposition import fmt
 from thunderproxy.sim.metrics import ITL_BUCKETS, TTFT_BUCKETS, buckets_1_2_5
+
+from .helpers import parse_metrics
 
 BASE = {"engine", "model_name"}
 # vllm-contract.md §1.2, as the current (0.12+) compat level must expose them.

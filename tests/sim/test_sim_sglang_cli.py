@@ -5,9 +5,10 @@ from __future__ import annotations
 import httpx
 import pytest
 from click.testing import CliRunner
-from conftest import parse_metrics
 
 from thunderproxy.sim.cli import sim_command
+
+from .helpers import parse_metrics
 
 SGLANG = {"personality": "sglang"}
 

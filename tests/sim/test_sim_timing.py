@@ -6,11 +6,12 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
-from conftest import token_prompt
 from trio.testing import MockClock
 
 from thunderproxy.sim import PROFILES, Engine, SimConfig
 from thunderproxy.sim.timing import batch_shape, prefill_seconds, step_seconds
+
+from .helpers import token_prompt
 
 H100 = PROFILES["h100-8b"]
 Start = Callable[[SimConfig], Awaitable[Engine]]
