@@ -10,6 +10,7 @@ from thunderproxy.bench.config import (
     BenchConfig,
     parse_int_list,
     parse_settings,
+    parse_sim_settings,
     parse_targets,
 )
 from thunderproxy.errors import ConfigError
@@ -40,6 +41,21 @@ def test_lists_and_settings_are_validated_before_anything_starts() -> None:
         parse_settings(["nonsense=1"])
     with pytest.raises(ConfigError, match="target-fill"):
         parse_settings(["target_fill=2"])
+
+
+def test_simulator_knobs_are_typed_and_the_bench_owned_ones_refused() -> None:
+    assert parse_sim_settings(["c_kv_ns=50", "jitter=0.1", "max-num-seqs=64"]) == {
+        "c_kv_ns": 50.0,
+        "jitter": 0.1,
+        "max_num_seqs": 64,
+    }
+    with pytest.raises(ConfigError, match="the bench sets those"):
+        parse_sim_settings(["kv_capacity_tokens=5"])
+    with pytest.raises(ConfigError, match="--sim"):
+        parse_sim_settings(["jitter=x"])
+    w = workload.thunderagent(thunderagent_rows(programs=1, steps=1))
+    sim = BenchConfig(sim_settings={"c_kv_ns": 50.0}).sim_config(w, "tr", time_scale=1.0)
+    assert sim.timing.c_kv_ns == 50.0
 
 
 def test_real_time_proxies_keep_their_cooldowns_in_simulated_seconds() -> None:

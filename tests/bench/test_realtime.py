@@ -108,7 +108,9 @@ async def test_the_demo_replays_through_tr_and_says_where_to_look(tmp_path: Path
 
 
 async def test_overhead_cells_measure_latency_and_proxy_cpu() -> None:
-    config = overhead.OverheadConfig(concurrencies=(2,), seconds=1.5, warmup_s=0.5, chunks=8)
+    config = overhead.OverheadConfig(
+        concurrencies=(2,), seconds=1.5, warmup_s=0.5, idle_s=0.5, chunks=8
+    )
     with trio.fail_after(120):
         cells = await overhead.run_overhead(config)
     rows = overhead.report(cells)
@@ -118,5 +120,6 @@ async def test_overhead_cells_measure_latency_and_proxy_cpu() -> None:
     assert direct["requests"] > 0
     assert proxied["requests"] > 0
     assert proxied["proxy_cpu_per_request_us"] > 0
+    assert proxied["proxy_idle_cpu_util"] is not None
     assert "added_ttft_p50_ms" in proxied
     assert "proxy_cpu_per_chunk_us" in overhead.table(rows)

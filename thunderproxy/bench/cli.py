@@ -11,7 +11,13 @@ import trio
 
 from ..errors import ThunderproxyError
 from .agent import ungrouped_errors
-from .config import BenchConfig, parse_int_list, parse_settings, parse_targets
+from .config import (
+    BenchConfig,
+    parse_int_list,
+    parse_settings,
+    parse_sim_settings,
+    parse_targets,
+)
 from .progress import ProgressBar
 from .workload import Workload
 
@@ -107,6 +113,10 @@ def _progress_factory(enabled: bool | None) -> Any:
 @click.option("--set", "proxy_settings", multiple=True, metavar="NAME=VALUE",
               help="A `thunderproxy serve` setting for the bench's own proxy, e.g. "
               "--set pause_cooldown=2 (repeatable).")  # fmt: skip
+@click.option("--sim", "sim_settings", multiple=True, metavar="NAME=VALUE",
+              help="A `thunderproxy sim` knob for every simulated backend, e.g. "
+              "--sim c_kv_ns=50 (repeatable; KV size and time scale have their own "
+              "flags).")  # fmt: skip
 @click.option("--json", "json_path", default=None, help="Write every figure as JSON here.")
 @click.option("--sweep", default="", help="Comma list of concurrencies to run each target at.")
 @click.option(
@@ -164,6 +174,7 @@ def bench_command(
     rate: float,
     gap_scale: float,
     proxy_settings: tuple[str, ...],
+    sim_settings: tuple[str, ...],
     json_path: str | None,
     sweep: str,
     plot_path: str,
@@ -213,6 +224,7 @@ def bench_command(
             rate=rate,
             gap_scale=gap_scale,
             proxy_settings=parse_settings(proxy_settings),
+            sim_settings=parse_sim_settings(sim_settings),
             audit_run=audit_run,
         )
         concurrencies = parse_int_list(sweep, flag="--sweep")

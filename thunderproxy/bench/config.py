@@ -65,6 +65,51 @@ def parse_int_list(value: str | None, *, flag: str) -> tuple[int, ...]:
     return items
 
 
+#: Simulator knobs the bench sets itself (per target, or to make the figures it reads exist).
+BENCH_OWNED_SIM = (
+    "kv_capacity_tokens",
+    "num_gpu_blocks",
+    "time_scale",
+    "profile",
+    "enable_prompt_tokens_details",
+    "served_model_name",
+    "max_model_len",
+)
+
+
+def parse_sim_settings(pairs: Sequence[str]) -> dict[str, Any]:
+    """``--sim NAME=VALUE`` pairs into SimConfig overrides (e.g. one timing constant)."""
+    fields = {f.name: f for f in dataclasses.fields(SimConfig)}
+    defaults = SimConfig()
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in fields or name in BENCH_OWNED_SIM:
+            raise ConfigError(
+                f"--sim {pair!r}: expected NAME=VALUE with a `thunderproxy sim` knob other than "
+                f"{', '.join(BENCH_OWNED_SIM)} (the bench sets those)."
+            )
+        kind = str(fields[name].type).replace(" | None", "")
+        current = getattr(defaults, name)
+        try:
+            if kind == "bool" or isinstance(current, bool):
+                out[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif kind == "int":
+                out[name] = int(raw)
+            elif kind == "float":
+                out[name] = float(raw)
+            else:
+                out[name] = raw
+        except ValueError:
+            raise ConfigError(f"--sim {pair!r}: {raw!r} is not a valid {name}.") from None
+    try:
+        SimConfig(**out)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"--sim: {exc}") from None
+    return out
+
+
 def parse_settings(pairs: Sequence[str]) -> dict[str, Any]:
     """``--set NAME=VALUE`` pairs into thunderproxy settings, typed like their defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
@@ -119,6 +164,8 @@ class BenchConfig:
     rate: float = 0.0
     gap_scale: float = 1.0
     proxy_settings: Mapping[str, Any] = field(default_factory=dict)
+    #: SimConfig overrides for every simulated backend (``--sim NAME=VALUE``).
+    sim_settings: Mapping[str, Any] = field(default_factory=dict)
     model: str = DEFAULT_MODEL
     #: Audit-db traces: which run to replay (None: the latest).
     audit_run: int | None = None
@@ -166,6 +213,7 @@ class BenchConfig:
 
     def sim_config(self, workload: Workload, target: str, *, time_scale: float) -> SimConfig:
         return SimConfig(
+            **self.sim_settings,
             served_model_name=self.model,
             profile=self.profile,
             kv_capacity_tokens=self.kv_for(workload, target),
@@ -204,4 +252,5 @@ class BenchConfig:
     def describe(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["proxy_settings"] = dict(self.proxy_settings)
+        out["sim_settings"] = dict(self.sim_settings)
         return out

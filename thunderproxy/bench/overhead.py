@@ -4,7 +4,8 @@ A trivial fast backend (``fastbackend.py``, its own process) streams a fixed num
 at a fixed pace. For each concurrency, N client streams call it back to back for a while,
 first directly, then through a fresh ``thunderproxy serve`` process per router. Reported per
 cell: TTFT and total latency (p50/p99, wall ms), the proxy's CPU per request and per relayed
-chunk (from /proc/<pid>/stat), and how busy the client itself was (``resource.getrusage``):
+chunk (from /proc/<pid>/stat, less what the same proxy used idle just before: its pollers and
+monitor), and how busy the client itself was (``resource.getrusage``):
 on a small machine the client and the backend share the cores with the proxy, so a saturated
 client inflates both sides alike.
 """
@@ -43,6 +44,9 @@ class OverheadConfig:
     #: Measured seconds per cell, after ``warmup_s`` seconds that are not counted.
     seconds: float = 10.0
     warmup_s: float = 2.0
+    #: Seconds the fresh proxy is left idle first, to measure (and subtract) the CPU its
+    #: pollers and monitor use without traffic.
+    idle_s: float = 3.0
     chunks: int = 32
     interval_ms: float = 20.0
     #: Characters of the prompt (about four per token).
@@ -60,6 +64,8 @@ class Cell:
     total_ms: list[float] = field(default_factory=list)
     window_s: float = 0.0
     proxy_cpu_s: float | None = None
+    #: The proxy's CPU seconds per second with no traffic (background pollers).
+    proxy_idle_cpu: float | None = None
     client_cpu_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -75,14 +81,17 @@ class Cell:
             "total_p50_ms": figures.percentile(self.total_ms, 50),
             "total_p99_ms": figures.percentile(self.total_ms, 99),
             "proxy_cpu_s": self.proxy_cpu_s,
+            "proxy_idle_cpu_util": self.proxy_idle_cpu,
             "proxy_cpu_per_request_us": None,
             "proxy_cpu_per_chunk_us": None,
             "proxy_cpu_util": None,
             "client_cpu_util": self.client_cpu_s / self.window_s if self.window_s else 0.0,
         }
         if self.proxy_cpu_s is not None and self.requests:
-            out["proxy_cpu_per_request_us"] = 1e6 * self.proxy_cpu_s / self.requests
-            out["proxy_cpu_per_chunk_us"] = 1e6 * self.proxy_cpu_s / max(1, self.chunks)
+            # What the traffic cost: the window's CPU less what the idle proxy would have used.
+            busy = max(0.0, self.proxy_cpu_s - (self.proxy_idle_cpu or 0.0) * self.window_s)
+            out["proxy_cpu_per_request_us"] = 1e6 * busy / self.requests
+            out["proxy_cpu_per_chunk_us"] = 1e6 * busy / max(1, self.chunks)
             out["proxy_cpu_util"] = self.proxy_cpu_s / self.window_s
         return out
 
@@ -159,6 +168,17 @@ async def measure(
     return cell
 
 
+async def idle_cpu(proxy: Child, seconds: float) -> float | None:
+    """The proxy's CPU use (cores) while nothing is sent to it."""
+    before = process_cpu_seconds(proxy.pid)
+    start = trio.current_time()
+    await trio.sleep(seconds)
+    after = process_cpu_seconds(proxy.pid)
+    if before is None or after is None:
+        return None
+    return (after - before) / (trio.current_time() - start)
+
+
 async def run_overhead(config: OverheadConfig) -> list[Cell]:
     cells: list[Cell] = []
     size = 2 * max(config.concurrencies) + 16
@@ -205,12 +225,12 @@ async def run_overhead(config: OverheadConfig) -> list[Cell]:
                             PROXY_LISTENING,
                         )  # fmt: skip
                         try:
-                            cells.append(
-                                await measure(
-                                    client, proxy.url, Cell(router, concurrency), config,
-                                    proxy=proxy,
-                                )
-                            )  # fmt: skip
+                            idle = await idle_cpu(proxy, config.idle_s)
+                            cell = await measure(
+                                client, proxy.url, Cell(router, concurrency), config, proxy=proxy
+                            )
+                            cell.proxy_idle_cpu = idle
+                            cells.append(cell)
                         finally:
                             await stop_child(proxy)
             finally:
@@ -250,6 +270,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ("proxy_cpu_per_request_us", "{:.0f}"),
         ("proxy_cpu_per_chunk_us", "{:.0f}"),
         ("proxy_cpu_util", "{:.2f}"),
+        ("proxy_idle_cpu_util", "{:.3f}"),
         ("client_cpu_util", "{:.2f}"),
         ("errors", "{}"),
     )
