@@ -288,20 +288,12 @@ def enforce(
     return decisions
 
 
-def _fits(
-    p: ProgramView,
-    b: BackendView,
-    extra: dict[str, int],
-    programs: Sequence[ProgramView],
-    cfg: PolicyConfig,
-    now: float,
-) -> tuple[bool, int]:
+def _fits(p: ProgramView, b: BackendView, used: int, cfg: PolicyConfig) -> bool:
     cap = limit(b, cfg)
-    used = used_tokens(b, programs, cfg, now) + extra.get(b.url, 0)
     if cap is None:
-        return True, used
+        return True
     need = p.tokens + cfg.decode_buffer - (b.shared_prefix_tokens if used else 0)
-    return used + need <= cap, used
+    return used + need <= cap
 
 
 def resume(
@@ -332,15 +324,18 @@ def resume(
     idle = sorted(
         (p for p in paused if p.waiting_since is None), key=lambda p: p.paused_since or 0.0
     )
-    added: dict[str, int] = {}
+    # Each backend's use is summed once; resumes decided in this round are added as they
+    # come (one pass over the programs per backend, not one per candidate: this runs on every
+    # step end, with up to thousands of programs).
+    used_by = {b.url: used_tokens(b, programs, cfg, now) for b in healthy}
     decisions: list[Decision] = []
     blocked = False
     for position, p in enumerate([*waiting, *idle]):
         waited = now - (p.waiting_since if p.waiting_since is not None else p.paused_since or now)
         own = next((b for b in healthy if b.url == p.backend), None)
         if p.waiting_since is not None and waited >= cfg.max_wait_s:
-            target = own or min(healthy, key=lambda b: used_tokens(b, programs, cfg, now))
-            used = used_tokens(target, programs, cfg, now) + added.get(target.url, 0)
+            target = own or min(healthy, key=lambda b: used_by[b.url])
+            used = used_by[target.url]
             decisions.append(
                 _decision(
                     Action.FORCE_RESUME,
@@ -354,20 +349,20 @@ def resume(
                     queue_position=position,
                 )
             )
-            added[target.url] = added.get(target.url, 0) + p.tokens + cfg.decode_buffer
+            used_by[target.url] += p.tokens + cfg.decode_buffer
             continue
         if blocked:
             continue
         candidates = ([own] if own else []) + sorted(
             (b for b in healthy if b is not own),
-            key=lambda b: used_tokens(b, programs, cfg, now) + added.get(b.url, 0),
+            key=lambda b: used_by[b.url],
         )
         placed = False
         for b in candidates:
             if b.url not in ready:
                 continue
-            ok, used = _fits(p, b, added, programs, cfg, now)
-            if not ok:
+            used = used_by[b.url]
+            if not _fits(p, b, used, cfg):
                 continue
             if b is own or p.backend is None:
                 action, rule = Action.RESUME, "capacity_free"
@@ -388,7 +383,7 @@ def resume(
                     queue_position=position,
                 )
             )
-            added[b.url] = added.get(b.url, 0) + p.tokens + cfg.decode_buffer
+            used_by[b.url] += p.tokens + cfg.decode_buffer
             placed = True
             break
         if not placed and p.waiting_since is not None and waited >= cfg.max_wait_s / 2:
