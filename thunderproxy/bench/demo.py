@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -27,6 +26,7 @@ from .agent import Agents
 from .config import DEFAULT_PROFILE, TIME_SETTINGS, BenchConfig
 from .harness import SUMMARY_KEYS, workload_for
 from .progress import ProgressBar
+from .realtime import proxy_run_figures
 from .transport import HttpTransport
 from .virtual import TargetResult
 from .workload import Workload
@@ -128,13 +128,13 @@ async def run_demo(
                 log = await agents.run()
                 states = [(await client.get(sim_url + "/_sim/state")).json()]
             bar.close(log)
-            pause = await _pause_time(proxy, config.db)
+            _run, pause, pauses = await _proxy_figures(proxy, config.db)
             totals = figures.sum_truth(states)
             result = TargetResult(
                 target="tr",
                 concurrency=config.concurrency,
                 kv_tokens=kv,
-                figures=figures.compute(log, totals, pause_time_s=pause),
+                figures=figures.compute(log, totals, pause_time_s=pause, pauses=pauses),
                 log=log,
                 truth=totals,
                 clock="real",
@@ -159,20 +159,13 @@ async def run_demo(
     return outcome
 
 
-async def _pause_time(proxy: RunningProxy, db: str) -> float | None:
-    """Seconds the run's calls waited in the proxy, once its audit rows are in the db."""
+async def _proxy_figures(
+    proxy: RunningProxy, db: str
+) -> tuple[int | None, float | None, int | None]:
+    """The run's pause figures, read from the audit db once the writer has caught up."""
     audit = proxy.audit
     with trio.move_on_after(10):
         # The writer signals nothing when it has caught up; poll its counters briefly.
         while audit.statistics().queued or audit.written + audit.dropped < audit.accepted:  # noqa: ASYNC110
             await trio.sleep(0.05)
-    return await trio.to_thread.run_sync(_sum_queue, db, audit.run_id)
-
-
-def _sum_queue(db: str, run_id: int) -> float | None:
-    conn = sqlite3.connect(db)
-    try:
-        row = conn.execute("SELECT sum(queue_s) FROM steps WHERE run_id = ?", (run_id,)).fetchone()
-    finally:
-        conn.close()
-    return None if row is None or row[0] is None else float(row[0])
+    return await trio.to_thread.run_sync(proxy_run_figures, db, audit.run_id - 1, "tr")
