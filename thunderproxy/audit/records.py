@@ -18,6 +18,13 @@ class AuditRecord(Protocol):
     def row(self, to_unix: ToUnix) -> dict[str, Any]: ...
 
 
+def _stamped(record: Any, to_unix: ToUnix) -> dict[str, Any]:
+    """The record's fields as a row, its ``at`` time made Unix seconds."""
+    row = asdict(record)
+    row["at"] = to_unix(record.at)
+    return row
+
+
 def _unix(to_unix: ToUnix, value: float | None) -> float | None:
     return None if value is None else to_unix(value)
 
@@ -115,8 +122,8 @@ class BackendSample:
     error: str | None = None
 
     def row(self, to_unix: ToUnix) -> dict[str, Any]:
-        row = asdict(self)
-        row.update(at=to_unix(self.at), healthy=int(self.healthy))
+        row = _stamped(self, to_unix)
+        row["healthy"] = int(self.healthy)
         return row
 
 
@@ -140,9 +147,7 @@ class DecisionRecord:
     detail: str | None
 
     def row(self, to_unix: ToUnix) -> dict[str, Any]:
-        row = asdict(self)
-        row["at"] = to_unix(self.at)
-        return row
+        return _stamped(self, to_unix)
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,4 @@ class RejectionRecord:
     program_id: str | None = None
 
     def row(self, to_unix: ToUnix) -> dict[str, Any]:
-        row = asdict(self)
-        row["at"] = to_unix(self.at)
-        return row
+        return _stamped(self, to_unix)
