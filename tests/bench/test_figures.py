@@ -56,6 +56,18 @@ def test_figures_are_in_simulated_seconds_and_count_only_successes() -> None:
     assert f["output_tokens_per_s"] == pytest.approx(30 / 60)
 
 
+def test_lost_history_is_not_counted_where_no_call_had_history_to_reuse() -> None:
+    # Block prompts (Mooncake) say themselves what they share: nothing is "own history".
+    log = RunLog(time_scale=1.0, started_at=0.0, finished_at=2.0, exhausted_at=2.0)
+    log.programs = [
+        ProgramLog("a", arrived_at=0.0, started_at=0.0, finished_at=2.0, completed=True)
+    ]
+    log.steps = [step("a", 1, 0.0, 0.5, 1.0, cached_tokens=0), step("a", 2, 1.0, 1.5, 2.0)]
+    assert figures.compute(log, {}, pause_time_s=None)["evicted_prefix_tokens"] is None
+    log.steps.append(step("a", 3, 2.0, 2.1, 2.2, reusable_tokens=1000, cached_tokens=1000))
+    assert figures.compute(log, {}, pause_time_s=None)["evicted_prefix_tokens"] == 0
+
+
 def test_truth_adds_up_backends_and_keeps_the_worst_lag() -> None:
     states = [
         {"counters": {"prefix_queries": 10, "preemptions": 1}, "clock": {"max_lag_seconds": 0.2}},
