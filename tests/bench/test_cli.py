@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.bench.synthetic import write_thunderagent
+from tests.explore.conftest import run_canned
 from thunderproxy.cli import cli
 
 STABLE_KEYS = (
@@ -129,3 +130,23 @@ def test_sweep_series_are_per_target_and_sorted_by_concurrency() -> None:
         {"target": "default", "concurrency": 16, "steps_per_min": None},
     ]
     assert series(results, "steps_per_min") == {"tr": [(16, 1.0), (32, 2.0)]}
+
+
+def test_the_explorer_puts_a_bench_runs_targets_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    code, output = bench(tmp_path, "--target", "default,tr,oracle", "--json", str(out))
+    assert code == 0, output
+    measured = {r["target"]: r["steps_per_min"] for r in json.loads(out.read_text())["results"]}
+    table = {row["target"]: row for row in run_canned(tmp_path / "b.db", "bench_compare")}
+    assert list(table) == ["default", "tr", "oracle"]
+    for target, spm in measured.items():
+        assert table[target]["steps_per_min"] == round(spm, 1)
+        assert table[target]["vs_default"] == round(spm / measured["default"], 2)
+        assert table[target]["of_oracle"] == round(spm / measured["oracle"], 2)
+    # An earlier run stays reachable by number once a later one exists.
+    code, output = bench(tmp_path, "--target", "direct")
+    assert code == 0, output
+    assert [r["target"] for r in run_canned(tmp_path / "b.db", "bench_compare")] == ["direct"]
+    earlier = run_canned(tmp_path / "b.db", "bench_compare", bench_run="1")
+    assert [r["target"] for r in earlier] == ["default", "tr", "oracle"]
+    assert earlier[0]["vs_default"] == 1.0

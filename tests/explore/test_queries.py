@@ -34,10 +34,11 @@ def test_every_query_is_documented_and_declares_exactly_its_parameters() -> None
         assert used == set(query["params"]), name
 
 
-#: Created by migrations 001 to 003: the explorer's metadata must describe each of them.
+#: Created by the migrations: the explorer's metadata must describe each of them.
 CORE = {
     "runs", "transitions", "steps", "backend_samples", "decisions", "schema_migrations",
     "program_states", "step_timings", "program_summary", "backend_timeline", "rejections",
+    "bench_runs", "bench_results", "bench_steps",
 }  # fmt: skip
 
 
