@@ -1,7 +1,9 @@
-"""The docs match the code: every flag and command a user can type is in the README."""
+"""The docs match the code: every flag and command a user can type is in the README, and every
+flag a doc gives a command exists."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,9 @@ import pytest
 from thunderproxy.cli import cli
 from thunderproxy.config import SETTINGS
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
@@ -30,3 +34,20 @@ def test_the_two_commands_are_in_the_readme() -> None:
     assert ".venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'" in ci
     test_command = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest"
     assert test_command in README
+
+
+def command_lines(text: str) -> list[tuple[str, str]]:
+    """(command, rest of the line) for every `thunderproxy <command> ...` the text shows."""
+    return re.findall(r"thunderproxy(?:\.pyz)? ([a-z]+)\b([^`\n]*)", text)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_flag_shown_with_a_command_exists(doc: Path) -> None:
+    for name, rest in command_lines(doc.read_text()):
+        command = cli.commands.get(name)
+        if command is None:
+            continue  # prose such as "thunderproxy sits between"
+        known = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+        known.add("--help")
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
+            assert flag in known, f"{doc.name}: thunderproxy {name} has no {flag}"
