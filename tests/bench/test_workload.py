@@ -85,7 +85,8 @@ def test_subset_cuts_programs_and_steps() -> None:
     assert len(small.programs) == 2
     assert all(len(p.steps) == 3 for p in small.programs)
     assert small.steps == 6
-    assert "subset" in small.notes[-1]
+    assert small.notes[-1] == "subset: 2 programs, at most 3 steps each"
+    assert w.subset(4).notes[-1] == "subset: 4 programs"
 
 
 def test_context_sizes() -> None:

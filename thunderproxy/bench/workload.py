@@ -130,7 +130,8 @@ class Workload:
             chosen = tuple(replace(p, steps=p.steps[:max_steps]) for p in chosen)
         notes = self.notes
         if programs is not None or max_steps is not None:
-            notes = (*notes, f"subset: {len(chosen)} programs, at most {max_steps} steps each")
+            cut = "" if max_steps is None else f", at most {max_steps} steps each"
+            notes = (*notes, f"subset: {len(chosen)} programs{cut}")
         return replace(self, programs=tuple(chosen), notes=notes)
 
 
