@@ -31,11 +31,6 @@ RETRY_BACKOFF_S = 1.0
 #: A run in which no call ends for this many simulated seconds is stuck: it is stopped and
 #: reported rather than left to spin (under the virtual clock it would never end).
 STALL_S = 4 * 3600.0
-#: Each program's waits end this much later per place in the workload (trio seconds). trio
-#: breaks ties between equal deadlines by object identity, which differs between processes;
-#: Mooncake's 3-second timestamps and equal tool gaps make ties common, so without this a
-#: virtual run could differ with the command that started it. 8,000 programs add < 0.1 ms.
-TIE_BREAK_S = 1e-8
 
 
 class BenchError(ThunderproxyError):
@@ -187,7 +182,6 @@ class Agents:
         self.stall_s = STALL_S
         self._last_progress = 0.0
         self._in_flight = 0
-        self._tie = {p.program_id: (i + 1) * TIE_BREAK_S for i, p in enumerate(workload.programs)}
         self._system = (
             system_prompt(self.vocabulary, workload.system_tokens, seed=schedule.seed)
             if workload.system_tokens
@@ -199,12 +193,9 @@ class Agents:
     def _now(self) -> float:
         return trio.current_time()
 
-    async def _sleep_sim(self, seconds: float, program_id: str) -> None:
+    async def _sleep_sim(self, seconds: float) -> None:
         if seconds > 0:
-            await self._sleep_until(self._now() + seconds * self.time_scale, program_id)
-
-    async def _sleep_until(self, deadline: float, program_id: str) -> None:
-        await trio.sleep_until(deadline + self._tie.get(program_id, 0.0))
+            await trio.sleep(seconds * self.time_scale)
 
     def _changed(self) -> None:
         if self.progress is not None:
@@ -267,7 +258,7 @@ class Agents:
 
         async with trio.open_nursery() as nursery:
             for spec, offset in sorted(zip(specs, offsets, strict=True), key=lambda x: x[1]):
-                await self._sleep_until(start + offset * self.time_scale, spec.program_id)
+                await trio.sleep_until(start + offset * self.time_scale)
                 nursery.start_soon(arrive, spec, self._now())
         self.log.exhausted_at = self._now()
 
@@ -288,10 +279,9 @@ class Agents:
             for index, step in enumerate(spec.steps, start=1):
                 if step.at_s is not None:
                     # Open-loop turns: at the recorded time, or now if the last one ended late.
-                    due = started_at + step.at_s * gap_scale * self.time_scale
-                    await self._sleep_until(due, spec.program_id)
+                    await trio.sleep_until(started_at + step.at_s * gap_scale * self.time_scale)
                 elif index > 1:
-                    await self._sleep_sim(step.gap_before_s * gap_scale, spec.program_id)
+                    await self._sleep_sim(step.gap_before_s * gap_scale)
                 conversation.prepare(step)
                 result = await self._call(
                     spec.program_id, index, conversation, step.output_tokens, reusable
@@ -349,7 +339,7 @@ class Agents:
             )
             if result.ok:
                 return result
-            await self._sleep_sim(RETRY_BACKOFF_S, program_id)
+            await self._sleep_sim(RETRY_BACKOFF_S)
         return None
 
 

@@ -16,8 +16,12 @@ the production ones, only wired without HTTP:
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import math
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -193,19 +197,40 @@ async def run_target(
     )
 
 
-def seed_trio_scheduler(seed: int) -> bool:
-    """Make trio's task order reproducible. trio reverses each batch of runnable tasks at
-    random (so that no code relies on an order); under the virtual clock many tasks wake at the
-    same instant (all arrivals of one Mooncake timestamp), and that coin decides which request
-    reaches the engine first. Seeding it makes a virtual run repeat exactly. trio has no public
-    knob for this (only its Hypothesis plugin seeds it), hence the private name, checked."""
+@contextmanager
+def repeatable_trio(seed: int) -> Iterator[bool]:
+    """Make trio's choices between tasks that wake at the same instant reproducible, for the
+    duration of one virtual run; yields whether it could.
+
+    trio leaves two such choices to chance, so that no code relies on an order: it reverses
+    each batch of runnable tasks at random, and it breaks ties between equal deadlines by the
+    cancel scopes' ``id()``, which differs with everything else the process allocated. Under
+    the virtual clock many tasks wake at the same instant (all the arrivals of one Mooncake
+    timestamp, a monitor tick and a tool gap's end), and these choices decide which request
+    reaches the engine or the scheduler first. Seeded, and with deadlines tied in the order
+    they were set, a virtual run repeats exactly from any entry point. trio has no public knob
+    for either (only its Hypothesis plugin seeds the first), hence the private names, checked.
+    """
     from trio._core import _run as trio_run
 
     rng = getattr(trio_run, "_r", None)
-    if not isinstance(rng, random.Random):
-        return False  # a trio without it: runs stay valid, only not bit-for-bit repeatable
+    deadlines = getattr(trio_run, "Deadlines", None)
+    original = getattr(deadlines, "add", None)
+    if not isinstance(rng, random.Random) or original is None:
+        yield False  # a trio without them: runs stay valid, only not bit-for-bit repeatable
+        return
     rng.seed(f"thunderproxy-bench:{seed}")
-    return True
+    order = itertools.count()
+
+    def add(self: Any, deadline: float, cancel_scope: Any) -> None:
+        heapq.heappush(self._heap, (deadline, next(order), cancel_scope))
+        self._active += 1
+
+    deadlines.add = add  # type: ignore[union-attr]
+    try:
+        yield True
+    finally:
+        deadlines.add = original  # type: ignore[union-attr]
 
 
 def run(
@@ -217,8 +242,7 @@ def run(
     progress: Progress | None = None,
 ) -> TargetResult:
     """Run one target in its own trio run on a fresh virtual clock."""
-    seed_trio_scheduler(config.seed)
-    with ungrouped_errors():
+    with repeatable_trio(config.seed), ungrouped_errors():
         result: TargetResult = trio.run(
             partial(
                 run_target, workload, config, target, concurrency=concurrency, progress=progress
