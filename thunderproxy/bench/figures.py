@@ -101,13 +101,15 @@ def compute(
     latencies = [(s.finished_at - s.sent_at) / scale for s in ok]
     ttfts = [(s.first_token_at - s.sent_at) / scale for s in ok if s.first_token_at is not None]
     times = [(p.finished_at - p.arrived_at) / scale for p in done if p.finished_at is not None]
-    evicted: int | None = None
-    for s in ok:
-        if s.cached_tokens is not None and s.reusable_tokens:
-            # Whole blocks only: the engine caches full blocks and recomputes the last one.
-            evicted = (evicted or 0) + max(0, s.reusable_tokens - s.cached_tokens - 32)
+    # Whole blocks only: the engine caches full blocks and recomputes the last one.
+    lost = [
+        max(0, s.reusable_tokens - s.cached_tokens - 32)
+        for s in ok
+        if s.cached_tokens is not None and s.reusable_tokens
+    ]
     # None when no call had history of its own to re-use (block prompts, one-call programs):
     # the figure does not apply there, and 0 would read as "nothing was lost".
+    evicted = sum(lost) if lost else None
     completion = sum(s.completion_tokens or 0 for s in ok)
     figures: dict[str, Any] = {
         "steps_per_min": 60.0 * len(ok) / duration if duration > 0 else 0.0,
