@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import click
 
 from .errors import ConfigError
+from .http.guard import DEFAULT_PASSTHROUGH, parse_prefixes
 from .scheduling.policy import PolicyConfig
 
 ENV_PREFIX = "THUNDERPROXY_"
@@ -183,6 +184,19 @@ SETTINGS: tuple[Setting, ...] = (
         secret=True,
     ),
     Setting("log_level", "info", "Log verbosity.", choices=("debug", "info", "warning", "error")),
+    Setting(
+        "passthrough",
+        ",".join(DEFAULT_PASSTHROUGH),
+        "Comma-separated path prefixes relayed to the backends as they are (the inference and "
+        "read-only API); any other path needs --admin-token, and is refused (403) when none is "
+        "set. '*': every path.",
+    ),
+    Setting(
+        "protect_reads",
+        False,
+        "Require --admin-token for /programs, /profiles, /metrics and /health's detail "
+        "(/health's status stays open for load balancers).",
+    ),
 )
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
@@ -226,6 +240,8 @@ class Settings:
     client_timeout: float = 60.0
     admin_token: str = dataclasses.field(default="", repr=False)
     log_level: str = "info"
+    passthrough: str = ",".join(DEFAULT_PASSTHROUGH)
+    protect_reads: bool = False
 
     def public(self) -> dict[str, Any]:
         """Every setting, secrets redacted: what may be logged or stored."""
@@ -295,6 +311,9 @@ def load_settings(values: Mapping[str, Any] | None = None, **overrides: Any) -> 
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds.")
     if not 0 < raw.get("target_fill", 0.9) <= 1:
         raise ConfigError("--target-fill must be in (0, 1].")
+    parse_prefixes(raw.get("passthrough") or "")
+    if raw.get("protect_reads") and not raw.get("admin_token"):
+        raise ConfigError("--protect-reads needs --admin-token: set the token readers must send.")
     return Settings(**{k: v for k, v in raw.items() if v is not None})
 
 

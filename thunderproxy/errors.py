@@ -8,6 +8,8 @@
         PayloadTooLarge             body over the configured limit (413)
         HeadersTooLarge             request head over the configured limit (431)
         Unauthorized                admin token missing or wrong (401)
+        Forbidden                   a path the proxy never relays without the admin token (403)
+      ShuttingDown                  the proxy is draining after SIGTERM/SIGINT (503)
       SchedulingError
         ProgramUnknown              a program id the registry does not know (404)
         ProfilingDisabled           /profiles asked while --no-profile (400)
@@ -74,6 +76,17 @@ class HeadersTooLarge(RequestError):
 
 class Unauthorized(RequestError):
     error_type = "authentication_error"
+
+
+class Forbidden(RequestError):
+    error_type = "permission_error"
+
+
+class ShuttingDown(ThunderproxyError):
+    """A request that arrived after SIGTERM/SIGINT: refused at once, with Retry-After and
+    ``Connection: close``, so the client retries elsewhere (or once the proxy is back)."""
+
+    error_type = "service_unavailable"
 
 
 class SchedulingError(ThunderproxyError):

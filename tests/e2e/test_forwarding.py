@@ -30,7 +30,10 @@ async def backend(nursery: trio.Nursery) -> FakeBackend:
 async def client(backend: FakeBackend, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     proxy: RunningProxy
     async with (
-        running_proxy(tmp_path / "audit.db", backends=backend.url) as proxy,
+        # /echo is the double's own path: relayed only because it is listed.
+        running_proxy(
+            tmp_path / "audit.db", backends=backend.url, passthrough="/v1/models,/echo"
+        ) as proxy,
         httpx.AsyncClient(base_url=proxy.url, timeout=10) as c,
     ):
         yield c

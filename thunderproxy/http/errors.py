@@ -14,6 +14,7 @@ from ..errors import (
     BackendTimeout,
     BackendUnavailable,
     ConfigError,
+    Forbidden,
     HeadersTooLarge,
     InvalidRequest,
     NoBackendAvailable,
@@ -22,6 +23,7 @@ from ..errors import (
     ProgramReleased,
     ProgramUnknown,
     QueueFull,
+    ShuttingDown,
     ThunderproxyError,
     Unauthorized,
 )
@@ -30,6 +32,7 @@ STATUS: dict[type[ThunderproxyError], int] = {
     InvalidRequest: 400,
     ProfilingDisabled: 400,
     Unauthorized: 401,
+    Forbidden: 403,
     ProgramUnknown: 404,
     ProgramReleased: 409,
     PayloadTooLarge: 413,
@@ -40,6 +43,7 @@ STATUS: dict[type[ThunderproxyError], int] = {
     BackendUnavailable: 502,
     BackendProtocolError: 502,
     NoBackendAvailable: 503,
+    ShuttingDown: 503,
     BackendTimeout: 504,
 }
 
@@ -63,6 +67,11 @@ def error_response(error: ThunderproxyError) -> Response:
     headers = {"content-type": "application/json"}
     if isinstance(error, QueueFull):
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s)))
+    if isinstance(error, ShuttingDown):
+        # This process will not take the request; close the connection so the retry goes to
+        # a fresh one (another replica, or this proxy once restarted).
+        headers["retry-after"] = "1"
+        headers["connection"] = "close"
     body = error_body(error.message, error_type=error.error_type, status=status, param=error.param)
     return Response(body, status=status, headers=headers)
 

@@ -23,6 +23,7 @@ from ..programs import StepUsage
 from ..scheduling import Scheduler, StepLease
 from ..scheduling.scheduler import StepOutcome
 from .errors import sse_error_event, status_for
+from .guard import DEFAULT_GUARD, PassthroughGuard
 from .sse import UsageTap, usage_from
 
 DEFAULT_PROGRAM = "default"
@@ -280,11 +281,13 @@ class Proxy:
         pool: BackendPool,
         first_byte_timeout: float,
         read_timeout: float,
+        guard: PassthroughGuard = DEFAULT_GUARD,
     ) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.first_byte_timeout = first_byte_timeout
         self.read_timeout = read_timeout
+        self.guard = guard
 
     async def _send(self, backend: Backend, upstream: httpx.Request) -> httpx.Response:
         try:
@@ -371,7 +374,11 @@ class Proxy:
         return Response(content, status=response.status_code, headers=response_headers(response))
 
     async def passthrough(self, path: str) -> Response:
-        """Any other path: relayed unchanged to the program's backend or the first healthy one."""
+        """Any other path under --passthrough: relayed to the program's backend or the first
+        healthy one. Checked before a backend is chosen, so a refused path never costs one."""
+        authorization = request.headers.get("authorization")
+        path = self.guard.check(path, authorization)
+        drop = frozenset({"authorization"} if self.guard.carries_admin_token(authorization) else ())
         program_id = request.headers.get("x-program-id")
         program = None if program_id is None else self.scheduler.registry.find(program_id)
         backend = self.pool.get(program.backend) if program is not None else None
@@ -384,7 +391,7 @@ class Proxy:
             request.method,
             target,
             content=await request.get_data(False, False, False),
-            headers=forward_headers(request.headers.items()),
+            headers=forward_headers(request.headers.items(), drop=drop),
         )
         response = await self._send(backend, upstream)
         relay = Relay(response, read_timeout=self.read_timeout)
