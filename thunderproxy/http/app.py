@@ -31,6 +31,8 @@ from ..programs.registry import BackendLoad
 from ..scheduling import Scheduler
 from .auth import require_admin
 from .errors import error_body, error_response
+from .guard import PassthroughGuard, parse_prefixes, reads_allowed
+from .listing import next_link, page, parse_query
 from .proxy import CLEANUP_KEY, Proxy, parse_json_object
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
@@ -113,6 +115,7 @@ def create_app(services: Services) -> QuartTrio:
         pool=services.pool,
         first_byte_timeout=settings.first_byte_timeout,
         read_timeout=settings.read_timeout,
+        guard=PassthroughGuard(parse_prefixes(settings.passthrough), settings.admin_token),
     )
 
     def reject(status: int, error_type: str, message: str, program_id: str | None) -> None:
@@ -168,14 +171,32 @@ def create_app(services: Services) -> QuartTrio:
     async def completions() -> Response:
         return await proxy.completion("/v1/completions")
 
+    def may_read() -> bool:
+        return reads_allowed(
+            request.headers.get("authorization"),
+            protect_reads=settings.protect_reads,
+            admin_token=settings.admin_token,
+        )
+
+    def require_reader() -> None:
+        if settings.protect_reads:
+            require_admin(request.headers.get("authorization"), settings.admin_token)
+
     @app.get("/programs")
     async def list_programs() -> Response:
-        return jsonify(
+        require_reader()
+        args = request.args.to_dict()
+        found = page(registry, parse_query(args))
+        response = jsonify(
             {
                 p.program_id: program_view(p, services, with_profile=settings.profile)
-                for p in registry
+                for p in found.programs
             }
         )
+        if found.next_cursor is not None:
+            response.headers["Link"] = next_link(request.path, args, found.next_cursor)
+            response.headers["X-Next-Cursor"] = found.next_cursor
+        return response
 
     @app.post("/programs/release")
     async def release_program() -> Response:
@@ -189,11 +210,15 @@ def create_app(services: Services) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
+        status = "ok" if services.pool.healthy() else "degraded"
+        if not may_read():
+            # Load balancers need the status only; who runs what is for token holders.
+            return jsonify({"status": status})
         counts = registry.counts()
         loads = registry.load_by_backend()
         return jsonify(
             {
-                "status": "ok" if services.pool.healthy() else "degraded",
+                "status": status,
                 "version": __version__,
                 "router_mode": scheduler.mode,
                 "scheduling_enabled": scheduler.scheduling_enabled,
@@ -220,6 +245,7 @@ def create_app(services: Services) -> QuartTrio:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        require_reader()
         loads = registry.load_by_backend()
         backends: dict[str, Any] = {}
         for backend in services.pool:
@@ -272,12 +298,14 @@ def create_app(services: Services) -> QuartTrio:
 
     @app.get("/profiles")
     async def list_profiles() -> Response:
+        require_reader()
         if not settings.profile:
             raise ProfilingDisabled()
         return jsonify({pid: profile.as_dict() for pid, profile in services.profiles.items()})
 
     @app.get("/profiles/<path:program_id>")
     async def get_profile(program_id: str) -> Response:
+        require_reader()
         if not settings.profile:
             raise ProfilingDisabled()
         profile = services.profiles.get(program_id)

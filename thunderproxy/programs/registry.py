@@ -6,6 +6,7 @@ itself does no I/O and reads no clock (callers pass ``now``).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -42,6 +43,35 @@ class ProgramRegistry:
     def __init__(self, sink: TransitionSink | None = None) -> None:
         self._programs: dict[str, Program] = {}
         self._sink = sink or (lambda _t: None)
+        # Creation order for paging (/programs?after=): (sequence, id) ascending, so a cursor is
+        # found by bisection. Released programs leave holes, compacted once they are half.
+        self._next_seq = 0
+        self._order: list[tuple[int, str]] = []
+        self._seq: dict[str, int] = {}
+
+    def _track(self, program: Program) -> None:
+        self._programs[program.program_id] = program
+        if program.program_id not in self._seq:
+            self._seq[program.program_id] = self._next_seq
+            self._order.append((self._next_seq, program.program_id))
+            self._next_seq += 1
+
+    def _untrack(self, program_id: str) -> None:
+        del self._programs[program_id]
+        self._seq.pop(program_id, None)
+        if len(self._order) > 2 * len(self._seq) + 64:
+            self._order = [(n, pid) for n, pid in self._order if self._seq.get(pid) == n]
+
+    def after(self, cursor: int | None) -> Iterator[tuple[int, Program]]:
+        """(sequence, program) in creation order, starting after sequence ``cursor``; finding
+        the start costs a bisection, each step one program (or one hole left by a release)."""
+        order = self._order
+        start = 0 if cursor is None else bisect.bisect_right(order, cursor, key=lambda e: e[0])
+        for index in range(start, len(order)):
+            seq, program_id = order[index]
+            program = self._programs.get(program_id)
+            if program is not None and self._seq.get(program_id) == seq:
+                yield seq, program
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -78,13 +108,13 @@ class ProgramRegistry:
         if program is not None:
             return program, False
         program, first = state.create(program_id, now, status=status, reason=reason)
-        self._programs[program_id] = program
+        self._track(program)
         self._emit(first)
         return program, True
 
     def adopt(self, program: Program, *, previous: ProgramStatus, reason: str) -> None:
         """Track a program restored from the audit log after a restart."""
-        self._programs[program.program_id] = program
+        self._track(program)
         self._emit(
             Transition(
                 program.program_id,
@@ -122,7 +152,7 @@ class ProgramRegistry:
         """Stop tracking a program; raises ProgramUnknown for an id never seen (or already gone)."""
         program = self.get(program_id)
         self._emit(state.stop(program, now, reason=reason))
-        del self._programs[program_id]
+        self._untrack(program_id)
         return program
 
     def counts(self) -> dict[ProgramStatus, int]:
