@@ -31,6 +31,7 @@ from .clock import WallClock
 from .config import Settings
 from .explore import mount_datasette
 from .http.app import Services, create_app
+from .http.drain import drain_then_stop
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
 from .scheduling import Scheduler
@@ -220,11 +221,16 @@ async def run(
 
             async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 app = create_app(services)
+                config = hypercorn_config(settings)
+                # The app drains first, Hypercorn stops after it (see http/drain.py).
+                trigger = partial(
+                    drain_then_stop, shutdown, app.drain, config, settings.shutdown_grace
+                )
                 async with mount_datasette(app, settings) as served:
                     await serve(
                         served,
-                        hypercorn_config(settings),
-                        shutdown_trigger=shutdown.wait,  # type: ignore[arg-type]
+                        config,
+                        shutdown_trigger=trigger,  # type: ignore[arg-type]
                         task_status=task_status,
                     )
                 # Requests are drained: stop the pollers, then let the writer flush.

@@ -23,6 +23,7 @@ from ..errors import (
     InvalidRequest,
     ProfilingDisabled,
     ProgramUnknown,
+    ShuttingDown,
     ThunderproxyError,
 )
 from ..programs import Program, ProgramStatus
@@ -30,6 +31,7 @@ from ..programs.profile import Profiles
 from ..programs.registry import BackendLoad
 from ..scheduling import Scheduler
 from .auth import require_admin
+from .drain import Drain
 from .errors import error_body, error_response
 from .guard import PassthroughGuard, parse_prefixes, reads_allowed
 from .listing import next_link, page, parse_query
@@ -54,8 +56,10 @@ class ProxyHTTPConnection(TrioASGIHTTPConnection):
     has started sending it; a client that leaves earlier would otherwise leave a step open."""
 
     async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        drain: Drain = self.app.drain  # type: ignore[attr-defined]
         try:
-            await super().__call__(receive, send)
+            with drain.exchange():
+                await super().__call__(receive, send)
         finally:
             scope: dict[str, Any] = self.scope  # type: ignore[assignment]
             for cleanup in scope.get(CLEANUP_KEY, ()):
@@ -65,6 +69,8 @@ class ProxyHTTPConnection(TrioASGIHTTPConnection):
 
 class ThunderproxyApp(QuartTrio):
     asgi_http_class = ProxyHTTPConnection
+    #: Set by create_app; the runtime begins it on SIGTERM (http/drain.py).
+    drain: Drain
 
 
 def program_view(program: Program, services: Services, *, with_profile: bool) -> dict[str, Any]:
@@ -99,9 +105,10 @@ def _error_type(status: int) -> str:
     }.get(status, "internal_error" if status >= 500 else "invalid_request_error")
 
 
-def create_app(services: Services) -> QuartTrio:
+def create_app(services: Services) -> ThunderproxyApp:
     """The proxy's HTTP app over already-running services."""
     app = ThunderproxyApp("thunderproxy")
+    app.drain = drain = Drain()
     # Streams of long generations must not be cut by Quart's 60 s response timeout; backend
     # silence is bounded by --first-byte-timeout and --read-timeout instead.
     settings = services.settings
@@ -152,6 +159,21 @@ def create_app(services: Services) -> QuartTrio:
         reject(status, error_type, message, None)
         body = error_body(message, error_type=error_type, status=status)
         return Response(body, status=status, content_type="application/json")
+
+    @app.before_request
+    async def refuse_when_draining() -> None:
+        if drain.draining:
+            raise ShuttingDown(
+                "thunderproxy is shutting down (SIGTERM/SIGINT) and did not start this request; "
+                "retry it after Retry-After, on another instance or once this one is back."
+            )
+
+    @app.after_request
+    async def close_when_draining(response: Response) -> Response:
+        # A client must not send its next request on a connection that is about to close.
+        if drain.draining:
+            response.headers["Connection"] = "close"
+        return response
 
     @app.before_request
     async def limit_headers() -> None:
