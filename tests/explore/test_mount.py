@@ -121,7 +121,13 @@ async def test_switched_off_the_prefix_is_just_another_backend_path(
     backend: FakeBackend, history_copy: Path
 ) -> None:
     async with (
-        running_proxy(history_copy, backends=backend.url, restore=False, datasette=False) as proxy,
+        running_proxy(
+            history_copy,
+            backends=backend.url,
+            restore=False,
+            datasette=False,
+            passthrough="/datasette",
+        ) as proxy,
         httpx.AsyncClient(base_url=proxy.url, timeout=10) as c,
     ):
         r = await c.get("/datasette/")

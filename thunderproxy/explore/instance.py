@@ -28,9 +28,14 @@ SETTINGS: dict[str, Any] = {
     "base_url": MOUNT_PATH,
     # The db is live and may be large; no one should pull the file over HTTP.
     "allow_download": False,
-    # Aggregations over a day of steps take more than Datasette's 1 s default.
+    # Aggregations over a day of steps take more than Datasette's 1 s default. A query runs in
+    # a thread, interrupted between SQLite instructions; while one spins for the whole 5 s the
+    # proxy's /health answered within 29 ms. Single long instructions are bounded by the
+    # value-size limit of explore/limits.py, which also bounds memory.
     "sql_time_limit_ms": 5000,
     "facet_time_limit_ms": 500,
+    # Every canned query answers in fewer rows; with limits.MAX_RESULT_BYTES it bounds what a
+    # page holds and renders on the event loop the proxy shares.
     "max_returned_rows": 1000,
     "num_sql_threads": 3,
 }
