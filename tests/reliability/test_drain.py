@@ -13,13 +13,18 @@ import signal
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
 
 from tests.conftest import query, spawn_serving
+from thunderproxy.http.app import ThunderproxyApp
+from thunderproxy.http.drain import Drain
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 #: Generous: the check is that nothing is lost, not how fast two shared cores decode.
@@ -114,6 +119,32 @@ def check(run: Run) -> None:
     assert run.steps == [{"status": 200, "n": run.done}], run.steps
     assert run.refusals == run.refused
     assert run.stop_s < GRACE
+
+
+async def test_an_idle_keep_alive_connection_does_not_hold_up_the_stop() -> None:
+    # quart-trio ends a request by cancelling its nursery when Hypercorn reports the disconnect,
+    # which Hypercorn does while it recycles the connection, just before it starts the watcher
+    # that closes the connection on shutdown; started in a cancelled scope, that watcher died at
+    # once and an idle client kept Hypercorn waiting for its whole graceful timeout.
+    app = ThunderproxyApp("idle")
+    app.drain = Drain()
+
+    @app.get("/")
+    async def index() -> str:
+        return "ok"
+
+    config = HypercornConfig()
+    config.bind = ["127.0.0.1:0"]
+    config.graceful_timeout = 30.0
+    stop = trio.Event()
+    # The client stays open, its connection idle, while the server stops.
+    async with httpx.AsyncClient() as client:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                urls = await nursery.start(partial(serve, app, config, shutdown_trigger=stop.wait))
+                for _ in range(2):  # the second on the same, recycled connection
+                    assert (await client.get(urls[0] + "/")).text == "ok"
+                stop.set()
 
 
 async def test_sigterm_drains_every_stream_and_refuses_the_rest_cleanly(tmp_path: Path) -> None:

@@ -57,9 +57,21 @@ class ProxyHTTPConnection(TrioASGIHTTPConnection):
 
     async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         drain: Drain = self.app.drain  # type: ignore[attr-defined]
+
+        async def send_end_shielded(message: Any) -> None:
+            # Sending the last body makes Hypercorn recycle the connection: it reports the
+            # disconnect, on which quart-trio cancels this exchange, then starts the watcher
+            # that closes the idle connection on shutdown. Started in a cancelled scope, that
+            # watcher died at once, and one idle client held every stop for the whole grace.
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
         try:
             with drain.exchange():
-                await super().__call__(receive, send)
+                await super().__call__(receive, send_end_shielded)
         finally:
             scope: dict[str, Any] = self.scope  # type: ignore[assignment]
             for cleanup in scope.get(CLEANUP_KEY, ()):

@@ -13,12 +13,13 @@ trigger):
    ``Retry-After`` and ``Connection: close`` (a rejection row, never a reset); every request
    already in the app goes on to its end. This lasts until none is left, or ``--shutdown-grace``.
 2. Hypercorn's own shutdown: it stops listening and closes the idle connections. Once the app
-   has drained nothing is left to finish, so Hypercorn gets ``CLOSE_S`` for it, not the rest of
-   the grace: a keep-alive connection that a client left idle is not closed by Hypercorn 0.18
-   on shutdown (its idle watcher does not run after a recycled request), and the process used
-   to wait out all of ``--shutdown-grace`` for each such client (20.4 s with a grace of 20 s
-   and one idle connection). If the grace ran out first, what is still running is cancelled
+   has drained nothing is left to finish, so Hypercorn gets at most ``CLOSE_S`` for it rather
+   than the rest of the grace. If the grace ran out first, what is still running is cancelled
    at once and logged 499.
+
+Idle keep-alive connections used to hold the stop for the whole grace (20.4 s of a 20 s grace
+with one idle client): see ``ProxyHTTPConnection`` in http/app.py for why Hypercorn's watcher
+that closes them never ran behind quart-trio, and the fix.
 """
 
 from __future__ import annotations
