@@ -30,10 +30,11 @@ from .backends.poller import serve_metrics_poller, wait_until_ready
 from .clock import WallClock
 from .config import Settings
 from .explore import mount_datasette
+from .gateway import Gateway
 from .http.app import Services, create_app
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
-from .scheduling import Scheduler
+from .scheduling import Scheduler, policy_named
 from .scheduling.scheduler import serve_resume_monitor
 
 log = logging.getLogger("thunderproxy")
@@ -179,12 +180,18 @@ async def run(
                 await _restore_programs(registry, settings.db, clock)
             profiles = Profiles()
             scheduler = Scheduler(
-                mode=settings.router,
+                policy=policy_named(settings.router, settings.policy()),
                 registry=registry,
                 pool=pool,
                 audit=audit,
+            )
+            gateway = Gateway(
+                pool=pool,
+                scheduler=scheduler,
+                audit=audit,
                 profiles=profiles,
-                config=settings.policy(),
+                first_byte_timeout=settings.first_byte_timeout,
+                read_timeout=settings.read_timeout,
             )
             with trio.move_on_after(settings.ready_timeout) as waiting:
                 await wait_until_ready(pool)
@@ -201,9 +208,9 @@ async def run(
                 partial(
                     serve_metrics_poller,
                     pool,
-                    registry,
                     audit,
                     interval=settings.metrics_interval,
+                    loads=registry.sample_loads,
                     metrics=settings.metrics,
                 ),
             )
@@ -212,19 +219,22 @@ async def run(
                 background,
                 partial(serve_resume_monitor, scheduler, interval=settings.monitor_interval),
             )
-            services = Services(
-                settings=settings, scheduler=scheduler, pool=pool, profiles=profiles, clock=clock
-            )
+            services = Services(settings=settings, gateway=gateway, profiles=profiles, clock=clock)
             if handle_signals:
                 nursery.start_soon(_stop_on_signals, shutdown, force, background)
 
             async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 app = create_app(services)
+
+                async def stopping() -> None:
+                    await shutdown.wait()
+                    gateway.stopping = True  # calls cut from now on are not the clients' doing
+
                 async with mount_datasette(app, settings) as served:
                     await serve(
                         served,
                         hypercorn_config(settings),
-                        shutdown_trigger=shutdown.wait,  # type: ignore[arg-type]
+                        shutdown_trigger=stopping,  # type: ignore[arg-type]
                         task_status=task_status,
                     )
                 # Requests are drained: stop the pollers, then let the writer flush.

@@ -131,6 +131,12 @@ class ProgramRegistry:
             result[program.status] += 1
         return result
 
+    def sample_loads(self) -> dict[str, tuple[int, int]]:
+        """Programs and active tokens per backend, for the metrics poller's samples."""
+        return {
+            url: (load.total, load.active_tokens) for url, load in self.load_by_backend().items()
+        }
+
     def load_by_backend(self) -> dict[str, BackendLoad]:
         """Per-backend program counts and token sums, for placement and /health."""
         acc: dict[str, dict[str, int]] = {}

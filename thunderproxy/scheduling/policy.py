@@ -74,6 +74,8 @@ class ProgramView:
     protected_until: float = 0.0
     last_activity: float = 0.0
     in_flight: int = 0
+    #: The backends that serve the program's model (None: any); it never moves off them.
+    eligible: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -332,9 +334,12 @@ def resume(
     blocked = False
     for position, p in enumerate([*waiting, *idle]):
         waited = now - (p.waiting_since if p.waiting_since is not None else p.paused_since or now)
-        own = next((b for b in healthy if b.url == p.backend), None)
+        group = healthy if p.eligible is None else [b for b in healthy if b.url in p.eligible]
+        if not group:
+            continue  # no healthy backend serves its model: it waits for one
+        own = next((b for b in group if b.url == p.backend), None)
         if p.waiting_since is not None and waited >= cfg.max_wait_s:
-            target = own or min(healthy, key=lambda b: used_by[b.url])
+            target = own or min(group, key=lambda b: used_by[b.url])
             used = used_by[target.url]
             decisions.append(
                 _decision(
@@ -354,7 +359,7 @@ def resume(
         if blocked:
             continue
         candidates = ([own] if own else []) + sorted(
-            (b for b in healthy if b is not own),
+            (b for b in group if b is not own),
             key=lambda b: used_by[b.url],
         )
         placed = False
