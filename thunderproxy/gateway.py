@@ -143,27 +143,33 @@ class Exchange:
         """The answer's body as it arrives, usage read on the way. A backend that fails
         mid-way ends the stream with the wire's error event (the 200 is already out)."""
         tap = self.call.wire.tap(self.call)
-        read_timeout = self.gateway.read_timeout
         chunks = self.response.aiter_raw()
-        while True:
-            try:
-                with trio.fail_after(read_timeout):
-                    chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
-            except (BackendError, trio.TooSlowError) as exc:
-                error = (
-                    self.gateway.timeout(self.node) if isinstance(exc, trio.TooSlowError) else exc
-                )
-                self._take_usage(tap)
-                self.finish(describe(error)[0], error=error.message)
-                yield self.call.wire.error_event(error)
-                return
-            if self.first_token_at is None:
-                self.first_token_at = trio.current_time()
-            out = tap.feed(chunk)
-            if out:
-                yield out
+        try:
+            while True:
+                try:
+                    with trio.fail_after(self.gateway.read_timeout):
+                        chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (BackendError, trio.TooSlowError) as exc:
+                    error = (
+                        exc if isinstance(exc, BackendError) else self.gateway.timeout(self.node)
+                    )
+                    self._take_usage(tap)
+                    self.finish(describe(error)[0], error=error.message)
+                    yield self.call.wire.error_event(error)
+                    return
+                if self.first_token_at is None:
+                    self.first_token_at = trio.current_time()
+                out = tap.feed(chunk)
+                if out:
+                    yield out
+        finally:
+            # The backend's own iterator is closed here, not left to the garbage collector.
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                with trio.CancelScope(shield=True):
+                    await close()
         tail = tap.flush()
         self._take_usage(tap)
         self.finish(self.status_code, error=tap.error)

@@ -230,7 +230,7 @@ async def test_capacity_is_rediscovered_and_kept_when_a_poll_loses_it(harness: H
     sched.rebalance(2.0)
     assert sched.registry.get("a").status is ProgramStatus.PAUSED
     backend.snapshot = replace(snapshot(10_000), capacity_tokens=None)
-    assert sched.backend_views()[0].capacity_tokens == 10_000
+    assert sched.source.backend_views()[0].capacity_tokens == 10_000
 
 
 async def test_preemptions_shrink_capacity_and_recovery_restores_it(harness: Harness) -> None:

@@ -20,10 +20,12 @@ from ..audit import AuditLog, DecisionRecord
 from ..backends import BackendNode, BackendPool, Route
 from ..errors import NoBackendAvailable, ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
-from .learners import CapacityFactor, PromptSizer, SharedPrefix, program_estimate
+from .learners import PromptSizer, program_estimate
 from .placement import Candidate, choose_backend
 from .policies import Policy, Views
-from .policy import Action, BackendView, Decision, PolicyConfig, ProgramView
+from .policy import Action, Decision, PolicyConfig, ProgramView
+from .views import BackendSchedule, ViewSource
+from .waiters import Waiters
 
 log = logging.getLogger("thunderproxy.scheduler")
 
@@ -43,26 +45,6 @@ class StepLease:
     closed: bool = False
 
 
-@dataclass
-class BackendSchedule:
-    """What the scheduler learns about one backend beyond its metrics."""
-
-    shared_prefix: SharedPrefix = SharedPrefix()
-    capacity: CapacityFactor = CapacityFactor()
-    last_pause_at: float | None = None
-    last_resume_at: float | None = None
-    #: The last capacity seen, kept when a poll fails so scheduling does not stop.
-    capacity_tokens: int | None = None
-
-
-class Waiter:
-    """A request waiting for its paused program to be resumed."""
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-        self.error: Exception | None = None
-
-
 class Scheduler:
     def __init__(
         self,
@@ -78,14 +60,12 @@ class Scheduler:
         self.pool = pool
         self.audit = audit
         self._now = clock
-        self._backends: dict[str, BackendSchedule] = {}
-        self._waiters: dict[str, list[Waiter]] = {}
+        self.source = ViewSource(registry, pool)
+        self._waiters = Waiters()
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
         #: Prompt sizes learned per model; they size newcomers.
         self._sizers: dict[str | None, PromptSizer] = {}
-        #: Backends serving each model, for the policy; refreshed on every tick.
-        self._eligible: dict[str | None, frozenset[str] | None] = {}
 
     @property
     def config(self) -> PolicyConfig:
@@ -94,60 +74,10 @@ class Scheduler:
     # -- views for the policy -------------------------------------------------------------------
 
     def schedule_of(self, url: str) -> BackendSchedule:
-        schedule = self._backends.get(url)
-        if schedule is None:
-            schedule = self._backends[url] = BackendSchedule()
-        return schedule
-
-    def backend_views(self) -> list[BackendView]:
-        views = []
-        for node in self.pool:
-            schedule = self.schedule_of(node.url)
-            capacity = node.capacity_tokens
-            if capacity is not None:
-                schedule.capacity_tokens = capacity
-            views.append(
-                BackendView(
-                    url=node.url,
-                    healthy=node.healthy,
-                    capacity_tokens=schedule.capacity_tokens,
-                    shared_prefix_tokens=schedule.shared_prefix.tokens,
-                    capacity_factor=schedule.capacity.factor,
-                    last_pause_at=schedule.last_pause_at,
-                    last_resume_at=schedule.last_resume_at,
-                )
-            )
-        return views
-
-    def eligible(self, model: str | None) -> frozenset[str] | None:
-        """The backends a program of ``model`` may use (None: any of them)."""
-        if model not in self._eligible:
-            try:
-                urls = self.pool.route(model).urls
-            except Exception:
-                urls = frozenset()
-            self._eligible[model] = None if urls == frozenset(self.pool.urls) else urls
-        return self._eligible[model]
-
-    def program_view(self, p: Program) -> ProgramView:
-        return ProgramView(
-            program_id=p.program_id,
-            status=p.status,
-            backend=p.backend,
-            tokens=p.total_tokens,
-            created_at=p.created_at,
-            acting_since=p.acting_since,
-            paused_since=p.paused_since,
-            waiting_since=p.waiting_since,
-            marked=p.marked_for_pause,
-            protected_until=p.protected_until,
-            last_activity=p.last_activity,
-            in_flight=p.in_flight,
-            eligible=self.eligible(p.model),
-        )
+        return self.source.schedule_of(url)
 
     def views(self) -> Views:
-        return Views(lambda: [self.program_view(p) for p in self.registry], self.backend_views)
+        return self.source.views()
 
     # -- placement ------------------------------------------------------------------------------
 
@@ -235,7 +165,9 @@ class Scheduler:
             estimate = program_estimate(context_chars, program.chars_per_token)
         else:
             estimate = self._sizer(program.model).estimate(context_chars)
-        view = replace(self.program_view(program), tokens=max(program.total_tokens, estimate))
+        view = replace(
+            self.source.program_view(program), tokens=max(program.total_tokens, estimate)
+        )
         now = self._now()
         decision = self.policy.on_return(view, self.views(), now)
         if decision is not None and decision.action is Action.PAUSE:
@@ -259,7 +191,7 @@ class Scheduler:
             node.url,
             estimate,
             created_at=now,
-            eligible=self.eligible(route.requested),
+            eligible=self.source.eligible(route.requested),
         )
         decision = self.policy.admit(candidate, self.views(), now)
         if decision is not None and decision.action is Action.QUEUE:
@@ -289,16 +221,16 @@ class Scheduler:
         return program
 
     async def _wait_for_resume(self, program: Program, arrived_at: float) -> None:
-        waiter = Waiter()
         if program.waiting_since is None:
             program.waiting_since = arrived_at
-        self._waiters.setdefault(program.program_id, []).append(waiter)
+        waiter = self._waiters.add(program.program_id)
         self.rebalance(self._now())
         try:
-            await waiter.event.wait()
+            await waiter.wait()
         except BaseException:
-            self._drop_waiter(program, waiter)
-            if not waiter.event.is_set():
+            if self._waiters.drop(program.program_id, waiter):
+                program.waiting_since = None
+            if not waiter.woken:
                 self._log(
                     Decision(
                         Action.CANCEL,
@@ -310,21 +242,6 @@ class Scheduler:
                     )
                 )
             raise
-        if waiter.error is not None:
-            raise waiter.error
-
-    def _drop_waiter(self, program: Program, waiter: Waiter) -> None:
-        waiters = self._waiters.get(program.program_id, [])
-        if waiter in waiters:
-            waiters.remove(waiter)
-        if not waiters:
-            self._waiters.pop(program.program_id, None)
-            program.waiting_since = None
-
-    def _wake(self, program_id: str, error: Exception | None = None) -> None:
-        for waiter in self._waiters.pop(program_id, []):
-            waiter.error = error
-            waiter.event.set()
 
     def close(self, lease: StepLease, usage: StepUsage, *, reason: str) -> bool:
         """End the lease (idempotent: False if it was already ended): the program's state, what
@@ -364,7 +281,7 @@ class Scheduler:
 
     def release(self, program_id: str) -> Program:
         program = self.registry.release(program_id, self._now())
-        self._wake(
+        self._waiters.wake(
             program_id,
             ProgramReleased(
                 f"Program {program_id!r} was released while this request waited for capacity; "
@@ -381,7 +298,7 @@ class Scheduler:
         """Periodic work (the resume monitor): learn from the engines, retire idle programs,
         force-resume programs that waited too long, rebalance."""
         now = self._now()
-        self._eligible.clear()  # served models may have changed with the last poll
+        self.source.refresh()  # served models may have changed with the last poll
         for node in self.pool:
             snapshot = node.snapshot
             if snapshot is not None and snapshot.preemptions_total is not None:
@@ -419,7 +336,7 @@ class Scheduler:
             else:
                 self.schedule_of(decision.target_backend or "").last_resume_at = now
             self._resume_times.append(now)
-            self._wake(program.program_id)
+            self._waiters.wake(program.program_id)
         elif action is Action.RETIRE:
             self.registry.release(program.program_id, now, reason="retired: idle lease expired")
         self._log(decision, now)
