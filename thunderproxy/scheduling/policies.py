@@ -24,9 +24,17 @@ class Views:
         self,
         programs: Callable[[], list[ProgramView]],
         backends: Callable[[], list[BackendView]],
+        idle: Callable[[float], list[ProgramView]] | None = None,
     ) -> None:
         self._programs = programs
         self._backends = backends
+        self._idle = idle
+
+    def idle(self, seconds: float) -> list[ProgramView]:
+        """Programs without activity for ``seconds`` or more (all programs, if not narrowed)."""
+        if self._idle is None:
+            return self.programs
+        return self._idle(seconds)
 
     @cached_property
     def programs(self) -> list[ProgramView]:
@@ -84,7 +92,9 @@ class DefaultPolicy:
         return []
 
     def retire(self, views: Views, now: float) -> list[Decision]:
-        return policy.retire(views.programs, self.config, now)
+        if self.config.idle_lease_s <= 0:
+            return []
+        return policy.retire(views.idle(self.config.idle_lease_s), self.config, now)
 
     def expected_wait(self, position: int, resume_times: Sequence[float], now: float) -> float:
         return 0.0

@@ -140,14 +140,15 @@ def used_tokens(
     b: BackendView, programs: Iterable[ProgramView], cfg: PolicyConfig, now: float
 ) -> int:
     """Projected KV use of a backend; marked programs are credited (they leave at their next
-    step end), and every active program past the first shares the common prefix."""
+    step end), and every program with a claim past the first shares the common prefix (an idle
+    program whose claim has decayed to nothing holds no prefix either)."""
     total = 0
     active = 0
     for p in programs:
         if p.backend != b.url or p.marked:
             continue
         w = weight(p, cfg, now)
-        if p.status in (ProgramStatus.REASONING, ProgramStatus.ACTING):
+        if p.status is ProgramStatus.REASONING or (p.status is ProgramStatus.ACTING and w > 0):
             active += 1
             total += w
     return max(0, total - max(0, active - 1) * b.shared_prefix_tokens)

@@ -60,7 +60,7 @@ class Scheduler:
         self.pool = pool
         self.audit = audit
         self._now = clock
-        self.source = ViewSource(registry, pool)
+        self.source = ViewSource(registry, pool, policy.config)
         self._waiters = Waiters()
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
@@ -77,7 +77,7 @@ class Scheduler:
         return self.source.schedule_of(url)
 
     def views(self) -> Views:
-        return self.source.views()
+        return self.source.views(self._now())
 
     # -- placement ------------------------------------------------------------------------------
 
@@ -135,7 +135,7 @@ class Scheduler:
         # paused anew by another task's rebalance (the policy avoids it, this makes it certain).
         while program.status is ProgramStatus.PAUSED:
             await self._wait_for_resume(program, arrived_at)
-        program.waiting_since = None
+        self.registry.set_waiting(program, None)
         node = self.place(program, route)
         now = self._now()
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
@@ -173,7 +173,7 @@ class Scheduler:
         if decision is not None and decision.action is Action.PAUSE:
             self._log(decision, now)
             self.registry.pause(program, now, reason=f"paused: {decision.rule}")
-            program.waiting_since = arrived_at
+            self.registry.set_waiting(program, arrived_at)
 
     def _sizer(self, model: str | None) -> PromptSizer:
         return self._sizers.get(model) or PromptSizer()
@@ -217,19 +217,19 @@ class Scheduler:
         program.model = route.requested
         self.registry.assign(program, node.url)
         if decision is not None:
-            program.total_tokens = estimate
+            self.registry.set_tokens(program, estimate)
         return program
 
     async def _wait_for_resume(self, program: Program, arrived_at: float) -> None:
         if program.waiting_since is None:
-            program.waiting_since = arrived_at
+            self.registry.set_waiting(program, arrived_at)
         waiter = self._waiters.add(program.program_id)
         self.rebalance(self._now())
         try:
             await waiter.wait()
         except BaseException:
             if self._waiters.drop(program.program_id, waiter):
-                program.waiting_since = None
+                self.registry.set_waiting(program, None)
             if not waiter.woken:
                 self._log(
                     Decision(

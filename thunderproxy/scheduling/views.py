@@ -10,7 +10,7 @@ from ..errors import ModelNotFound
 from ..programs import Program, ProgramRegistry
 from .learners import CapacityFactor, SharedPrefix
 from .policies import Views
-from .policy import BackendView, ProgramView
+from .policy import BackendView, PolicyConfig, ProgramView, decay
 
 
 @dataclass
@@ -26,9 +26,10 @@ class BackendSchedule:
 
 
 class ViewSource:
-    def __init__(self, registry: ProgramRegistry, pool: BackendPool) -> None:
+    def __init__(self, registry: ProgramRegistry, pool: BackendPool, config: PolicyConfig) -> None:
         self.registry = registry
         self.pool = pool
+        self.config = config
         self._schedules: dict[str, BackendSchedule] = {}
         #: Backends serving each model; cleared by ``refresh`` (after each metrics poll).
         self._eligible: dict[str | None, frozenset[str] | None] = {}
@@ -89,5 +90,24 @@ class ViewSource:
             eligible=self.eligible(p.model),
         )
 
-    def views(self) -> Views:
-        return Views(lambda: [self.program_view(p) for p in self.registry], self.backend_views)
+    def views(self, now: float) -> Views:
+        """What the policy sees at ``now``: the programs a decision can involve (an idle
+        program whose claim on KV has decayed to nothing cannot change one), and on demand the
+        programs idle for a while (for retiring)."""
+        config = self.config
+
+        def claims(p: Program) -> bool:
+            idle = 0.0 if p.acting_since is None else now - p.acting_since
+            tokens = p.total_tokens * config.tool_coefficient
+            return (
+                p.waiting_since is not None
+                or int(tokens * decay(idle, config.acting_half_life_s)) > 0
+            )
+
+        def programs() -> list[ProgramView]:
+            return [self.program_view(p) for p in self.registry.relevant(claims)]
+
+        def idle(seconds: float) -> list[ProgramView]:
+            return [self.program_view(p) for p in self.registry.idle_since(now - seconds)]
+
+        return Views(programs, self.backend_views, idle)
