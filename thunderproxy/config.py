@@ -183,6 +183,61 @@ SETTINGS: tuple[Setting, ...] = (
         secret=True,
     ),
     Setting("log_level", "info", "Log verbosity.", choices=("debug", "info", "warning", "error")),
+    Setting(
+        "report_addr",
+        "",
+        "Worker mode (Vast.ai serverless): comma-separated autoscaler addresses to report load "
+        "to and fetch the signing key from; empty: the platform's REPORT_ADDR, else worker "
+        "mode is off.",
+    ),
+    Setting(
+        "unsecured",
+        False,
+        "Worker mode, local development only: accept requests without the autoscaler's "
+        "signature (the seed's UNSECURED).",
+    ),
+    Setting(
+        "max_wait_time",
+        10.0 * SECONDS,
+        "Worker mode: a request whose estimated wait (pending workload / measured throughput) "
+        "exceeds this is answered 429 with Retry-After.",
+    ),
+    Setting(
+        "parallel",
+        True,
+        "Worker mode: forward requests concurrently; --no-parallel serves them one at a time, "
+        "in arrival order (the seed's ALLOW_PARALLEL=false).",
+    ),
+    Setting(
+        "benchmark",
+        "",
+        "Worker mode: throughput benchmark as module:function (async, called with the backend "
+        "URL and an httpx.AsyncClient on it); empty: the built-in chat-completions tokens/s.",
+    ),
+    Setting(
+        "benchmark_cache",
+        "thunderproxy-benchmark.json",
+        "Worker mode: JSON file caching benchmark results per backend URL and model, so a "
+        "restart skips the benchmark.",
+    ),
+    Setting(
+        "worker_ready_timeout",
+        1200.0 * SECONDS,
+        "Worker mode: seconds the backend may take to answer /health before the worker reports "
+        "it failed and stays up as a beacon (the seed's 20 min).",
+    ),
+    Setting(
+        "program_tokens",
+        20_000,
+        "Worker mode: tokens of KV cache a typical agent program holds, to report how many "
+        "programs the backend fits.",
+    ),
+    Setting(
+        "certfile",
+        "",
+        "TLS certificate (PEM) to serve HTTPS with; needs --keyfile. Empty: plain HTTP.",
+    ),
+    Setting("keyfile", "", "TLS private key (PEM) matching --certfile."),
 )
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
@@ -226,6 +281,16 @@ class Settings:
     client_timeout: float = 60.0
     admin_token: str = dataclasses.field(default="", repr=False)
     log_level: str = "info"
+    report_addr: str = ""
+    unsecured: bool = False
+    max_wait_time: float = 10.0
+    parallel: bool = True
+    benchmark: str = ""
+    benchmark_cache: str = "thunderproxy-benchmark.json"
+    worker_ready_timeout: float = 1200.0
+    program_tokens: int = 20_000
+    certfile: str = ""
+    keyfile: str = ""
 
     def public(self) -> dict[str, Any]:
         """Every setting, secrets redacted: what may be logged or stored."""
@@ -295,6 +360,8 @@ def load_settings(values: Mapping[str, Any] | None = None, **overrides: Any) -> 
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds.")
     if not 0 < raw.get("target_fill", 0.9) <= 1:
         raise ConfigError("--target-fill must be in (0, 1].")
+    if bool(raw.get("certfile")) != bool(raw.get("keyfile")):
+        raise ConfigError("--certfile and --keyfile go together; pass both or neither.")
     return Settings(**{k: v for k, v in raw.items() if v is not None})
 
 

@@ -12,6 +12,7 @@ channel is closed, and the writer flushes every accepted row before the nursery 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,6 +37,13 @@ from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
 from .scheduling import Scheduler, policy_named
 from .scheduling.scheduler import serve_resume_monitor
+from .worker import (
+    WorkerMiddleware,
+    WorkerState,
+    serve_worker,
+    signals_from_services,
+    worker_config,
+)
 
 log = logging.getLogger("thunderproxy")
 
@@ -48,6 +56,8 @@ class RunningProxy:
     services: Services
     audit: AuditLog
     shutdown: trio.Event
+    #: Worker mode's live state (docs/WORKER.md); None when worker mode is off.
+    worker: WorkerState | None = None
 
 
 def hypercorn_config(settings: Settings) -> HypercornConfig:
@@ -63,6 +73,9 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     config.h11_max_incomplete_size = settings.max_header_bytes
     # Hundreds of agents may connect at once; hypercorn's default backlog of 100 resets the rest.
     config.backlog = 4096
+    if settings.certfile:
+        config.certfile = settings.certfile
+        config.keyfile = settings.keyfile
     return config
 
 
@@ -193,9 +206,19 @@ async def run(
                 first_byte_timeout=settings.first_byte_timeout,
                 read_timeout=settings.read_timeout,
             )
-            with trio.move_on_after(settings.ready_timeout) as waiting:
+            worker_cfg = worker_config(settings, os.environ)
+            worker = None if worker_cfg is None else WorkerState(worker_cfg, audit.record)
+            if worker_cfg is not None and worker_cfg.unsecured:
+                log.warning(
+                    "worker mode with --unsecured: requests are NOT checked for the "
+                    "autoscaler's signature; anyone who can reach this port can use it. "
+                    "For local development only."
+                )
+            # In worker mode the worker waits for the backends itself (up to
+            # --worker-ready-timeout), while /health and the load reports already run.
+            with trio.move_on_after(0 if worker else settings.ready_timeout) as waiting:
                 await wait_until_ready(pool)
-            if waiting.cancelled_caught:
+            if waiting.cancelled_caught and worker is None:
                 log.warning(
                     "backends not ready after %.0f s: %s; serving anyway (their requests fail "
                     "with 503 until they answer /health)",
@@ -232,7 +255,7 @@ async def run(
 
                 async with mount_datasette(app, settings) as served:
                     await serve(
-                        served,
+                        served if worker is None else WorkerMiddleware(served, worker),  # type: ignore[arg-type]
                         hypercorn_config(settings),
                         shutdown_trigger=stopping,  # type: ignore[arg-type]
                         task_status=task_status,
@@ -250,4 +273,16 @@ async def run(
                 ",".join(pool.urls),
                 settings.db,
             )
-            task_status.started(RunningProxy(binds[0], services, audit, shutdown))
+            if worker is not None:
+                await nursery.start(
+                    _in_scope,
+                    background,
+                    partial(
+                        serve_worker,
+                        worker,
+                        pool,
+                        url=binds[0],
+                        signals=signals_from_services(services),
+                    ),
+                )
+            task_status.started(RunningProxy(binds[0], services, audit, shutdown, worker))

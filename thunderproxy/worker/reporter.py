@@ -1,0 +1,199 @@
+"""Load reports to the autoscaler: ``POST <report addr>/worker_status/`` every second when
+something changed and at least every 10 s, with the PyWorker's fields plus program signals.
+
+A report carries the window of counters (workload received, served, ...) since the last report
+an autoscaler accepted. The window is cleared only by such an acceptance, so a report that fails
+on every address is not lost: its workload goes out with the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import trio
+
+from .. import __version__
+from .ledger import Counters
+from .signals import ProgramSignals
+from .state import Phase, WorkerState
+
+log = logging.getLogger("thunderproxy.worker")
+
+#: The seed's cadence: look every second, send when something changed or after 10 s of silence.
+REPORT_INTERVAL_S = 1.0
+MAX_SILENCE_S = 10.0
+#: The seed's retry budget per address: attempts, pause between them, and per-attempt timeout.
+REPORT_ATTEMPTS = 3
+REPORT_RETRY_DELAY_S = 2.0
+REPORT_TIMEOUT_S = 10.0
+
+
+def report_due(now: float, last_sent_at: float | None, *, changed: bool) -> bool:
+    """Whether a report goes out at ``now``."""
+    return changed or last_sent_at is None or now - last_sent_at >= MAX_SILENCE_S
+
+
+def disk_used_gb() -> float:
+    return shutil.disk_usage("/").used / 2**30
+
+
+def build_report(
+    state: WorkerState,
+    window: Counters,
+    *,
+    url: str,
+    loadtime: float | None,
+    disk_delta_gb: float,
+    signals: ProgramSignals | None,
+) -> dict[str, Any]:
+    """The ``worker_status`` body: the PyWorker's ``WorkerStatusData`` fields (their spelling,
+    ``num_requests_recieved`` included), then thunderproxy's own under ``thunderproxy``."""
+    ledger = state.ledger
+    error = state.error
+    if error is None and state.secured and state.public_key is None and state.key_error:
+        error = f"cannot verify requests: {state.key_error}"
+    capacity = state.capacity
+    report: dict[str, Any] = {
+        "id": state.config.worker_id,
+        "mtoken": state.config.master_token,
+        "version": __version__,
+        "loadtime": loadtime or 0.0,
+        "cur_load": ledger.current_load,
+        "rej_load": window.rejected,
+        "new_load": max(window.received - window.cancelled, 0.0),
+        "error_msg": error or "",
+        "max_perf": ledger.max_throughput or 0.0,
+        "cur_perf": window.served,
+        "cur_capacity": 0,
+        "max_capacity": 0,
+        "num_requests_working": len(ledger.working),
+        "num_requests_recieved": window.requests,
+        "additional_disk_usage": disk_delta_gb,
+        "working_request_idxs": ledger.working_request_idxs(),
+        "url": url,
+    }
+    extra: dict[str, Any] = {
+        "phase": state.phase.value,
+        "workload_cancelled": window.cancelled,
+        "workload_errored": window.errored,
+        "pending_workload": ledger.pending,
+        "wait_time_s": ledger.wait_estimate(),
+        "kv_capacity_tokens": None if capacity is None else capacity.kv_capacity_tokens,
+        "programs_capacity": None if capacity is None else capacity.programs,
+    }
+    if signals is not None:
+        extra["programs"] = signals.as_report()
+    report["thunderproxy"] = extra
+    return report
+
+
+async def post_report(client: httpx.AsyncClient, addr: str, report: dict[str, Any]) -> str | None:
+    """Send one report to one address with the seed's retries; None when accepted, else why
+    the last attempt failed."""
+    target = addr.rstrip("/") + "/worker_status/"
+    error = "not sent"
+    for attempt in range(1, REPORT_ATTEMPTS + 1):
+        try:
+            with trio.fail_after(REPORT_TIMEOUT_S):
+                response = await client.post(target, json=report)
+            if response.status_code < 300:
+                return None
+            error = f"{target} answered {response.status_code}"
+        except trio.TooSlowError:
+            error = f"{target} did not answer within {REPORT_TIMEOUT_S:g} s"
+        except httpx.HTTPError as exc:
+            error = f"{target}: {type(exc).__name__}: {exc}"
+        if attempt < REPORT_ATTEMPTS:
+            await trio.sleep(REPORT_RETRY_DELAY_S)
+    return error
+
+
+async def deliver(
+    state: WorkerState,
+    client: httpx.AsyncClient,
+    report: dict[str, Any],
+    window: Counters,
+    loadtime: float | None,
+) -> tuple[list[str], dict[str, str]]:
+    """Send ``report`` to every address at once; the first acceptance commits ``window`` (and
+    the one-shot load time) exactly once. Returns the addresses that accepted, and the errors."""
+    accepted: list[str] = []
+    errors: dict[str, str] = {}
+
+    async def send(addr: str) -> None:
+        error = await post_report(client, addr, report)
+        if error is not None:
+            errors[addr] = error
+            return
+        if not accepted:
+            state.ledger.commit(window)
+            if state.loadtime == loadtime:
+                state.loadtime = None
+        accepted.append(addr)
+
+    async with trio.open_nursery() as nursery:
+        for addr in state.config.report_addrs:
+            nursery.start_soon(send, addr)
+    return accepted, errors
+
+
+def _loggable(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: ("<redacted>" if k == "mtoken" and v else v) for k, v in report.items()}
+
+
+async def serve_load_reporter(
+    state: WorkerState,
+    client: httpx.AsyncClient,
+    *,
+    url: str,
+    signals: Callable[[], ProgramSignals] | None = None,
+    disk: Callable[[], float] = disk_used_gb,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Report until cancelled; ready at once (the first report goes out on the first tick)."""
+    ledger = state.ledger
+    last_sent_at: float | None = None
+    disk_base = disk()
+    failing = False
+    task_status.started()
+    while True:
+        await trio.sleep(REPORT_INTERVAL_S)
+        now = trio.current_time()
+        # While loading, the seed reports only every 10 s: nothing is served yet.
+        changed = ledger.changed and state.phase is not Phase.LOADING
+        if not report_due(now, last_sent_at, changed=changed):
+            continue
+        window = ledger.window
+        loadtime = state.loadtime
+        disk_now = disk()
+        report = build_report(
+            state,
+            window,
+            url=url,
+            loadtime=loadtime,
+            disk_delta_gb=disk_now - disk_base,
+            signals=None if signals is None else signals(),
+        )
+        ledger.changed = False
+        accepted, errors = await deliver(state, client, report, window, loadtime)
+        if accepted:
+            last_sent_at = now
+            disk_base = disk_now
+            if failing:
+                log.info("load reports accepted again by %s", ", ".join(accepted))
+            failing = False
+            state.event("report_sent", report_addr=",".join(accepted), data=_loggable(report))
+        else:
+            ledger.changed = True  # the window is still unreported
+            if not failing:
+                log.warning(
+                    "load report failed on every address (%s); counters kept for the next one",
+                    "; ".join(errors.values()),
+                )
+            failing = True
+        for addr, error in errors.items():
+            state.event("report_failed", error, report_addr=addr)
