@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from tests.conftest import query, running_proxy, wait_for
+from tests.explore.conftest import run_canned
 from tests.worker.autoscaler import Autoscaler, serve_autoscaler
 from tests.worker.benchmarks import FIXED_THROUGHPUT
 from tests.worker.tls import self_signed
@@ -114,6 +115,13 @@ async def test_signed_unsigned_invalid_and_replayed_requests(
     kinds = [e["event"] for e in events(tmp_path / "audit.db")]
     for kind in ("pubkey_fetched", "benchmark", "replay", "signature_failed", "unsigned"):
         assert kind in kinds
+    # The canned Datasette query answers the same, filtered by kind.
+    replays = run_canned(tmp_path / "audit.db", "worker_events", event="replay")
+    assert [(r["status"], r["workload"], r["reqnum"]) for r in replays] == [
+        (401, 5.0, signed["auth_data"]["reqnum"])
+    ]
+    assert len(run_canned(tmp_path / "audit.db", "worker_events")) == len(kinds)
+    assert run_canned(tmp_path / "audit.db", "worker_events", since="-1 minute", event="x") == []
 
 
 async def test_unsecured_mode_accepts_plain_and_wrapped_bodies(
