@@ -215,16 +215,17 @@ async def run(
                     "For local development only."
                 )
             # In worker mode the worker waits for the backends itself (up to
-            # --worker-ready-timeout), while /health and the load reports already run.
-            with trio.move_on_after(0 if worker else settings.ready_timeout) as waiting:
-                await wait_until_ready(pool)
-            if waiting.cancelled_caught and worker is None:
-                log.warning(
-                    "backends not ready after %.0f s: %s; serving anyway (their requests fail "
-                    "with 503 until they answer /health)",
-                    settings.ready_timeout,
-                    ", ".join(b.url for b in pool if not b.healthy),
-                )
+            # --worker-ready-timeout) while /health and the load reports already run.
+            if worker is None:
+                with trio.move_on_after(settings.ready_timeout) as waiting:
+                    await wait_until_ready(pool)
+                if waiting.cancelled_caught:
+                    log.warning(
+                        "backends not ready after %.0f s: %s; serving anyway (their requests "
+                        "fail with 503 until they answer /health)",
+                        settings.ready_timeout,
+                        ", ".join(b.url for b in pool if not b.healthy),
+                    )
             await nursery.start(
                 _in_scope,
                 background,

@@ -124,6 +124,12 @@ class WorkerMiddleware:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and self.state.secured:
+            # A websocket carries no auth_data: none may bypass the signature check.
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008})
+            self.state.event("unsigned", "websocket refused: it cannot carry a signature")
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)  # type: ignore[arg-type]
             return
