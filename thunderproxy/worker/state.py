@@ -116,6 +116,8 @@ class WorkerState:
         self.started_at = trio.current_time()
         #: Serialises requests under --no-parallel; trio's Lock is fair (first come, first in).
         self.turn = trio.Lock()
+        #: Set once the startup task has finished, ready or errored.
+        self.settled = trio.Event()
         self._record = record
 
     def event(self, event: str, message: str | None = None, **fields: Any) -> None:
@@ -132,6 +134,7 @@ class WorkerState:
         self.loadtime = trio.current_time() - self.started_at
         self.phase = Phase.READY
         self.ledger.changed = True
+        self.settled.set()
 
     def mark_errored(self, message: str) -> None:
         """Beacon mode: keep serving /health and reporting ``message``."""
@@ -139,6 +142,7 @@ class WorkerState:
         self.error = message
         self.phase = Phase.ERRORED
         self.ledger.changed = True
+        self.settled.set()
         self.event("errored", message)
 
     def health_view(self) -> dict[str, Any]:
