@@ -43,3 +43,18 @@ def test_the_flag_wins_and_an_unmapped_port_reports_the_listening_address() -> N
 def test_tls_needs_both_files() -> None:
     with pytest.raises(ConfigError, match="--certfile and --keyfile go together"):
         load_settings(certfile="c.pem")
+
+
+def test_signing_key_retries_back_off_to_a_minute() -> None:
+    from thunderproxy.worker.service import key_backoff
+
+    assert [key_backoff(n) for n in (1, 2, 3, 4, 6, 7, 50)] == [1, 2, 4, 8, 32, 60, 60]
+
+
+def test_queue_wait_percentile_is_nearest_rank() -> None:
+    from thunderproxy.worker.signals import percentile
+
+    assert percentile([], 0.9) == 0.0
+    assert percentile([5.0], 0.9) == 5.0
+    assert percentile([float(n) for n in range(1, 11)], 0.9) == 9.0
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0

@@ -230,6 +230,11 @@ async def test_reports_carry_exactly_the_workload_served(
     assert last["url"] == _p.url
     assert last["thunderproxy"]["programs"]["kv_capacity_tokens"] == KV_TOKENS
     assert last["thunderproxy"]["kv_capacity_tokens"] == KV_TOKENS
+    # The calls named no program: they are one program, "default", now between calls.
+    programs = last["thunderproxy"]["programs"]
+    assert (programs["programs_running"], programs["programs_acting"]) == (0, 1)
+    assert 0 < programs["kv_demand_tokens"] < KV_TOKENS
+    assert programs["kv_demand_ratio"] == round(programs["kv_demand_tokens"] / KV_TOKENS, 4)
     # Reports are audited; the master token is not.
     sent = [e for e in events(tmp_path / "audit.db") if e["event"] == "report_sent"]
     assert sent
