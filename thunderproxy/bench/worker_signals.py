@@ -46,6 +46,8 @@ class ReportSink:
         self.started_at = started_at
         self.time_scale = time_scale
         self.reports: list[dict[str, Any]] = []
+        #: Reports during startup (before the agents) are kept but not printed.
+        self.live = False
 
     def row(self, report: dict[str, Any]) -> str:
         p = report["thunderproxy"].get("programs") or {}
@@ -74,8 +76,9 @@ class ReportSink:
                 break
         if scope["path"] == "/worker_status/":
             report = json.loads(body)
-            self.reports.append(report)
-            print(self.row(report), flush=True)
+            if self.live:
+                self.reports.append(report)
+                print(self.row(report), flush=True)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
@@ -140,6 +143,7 @@ async def main(programs: int, rate: float, time_scale: float, concurrency: int) 
                 )
                 print(HEADER, flush=True)
                 sink.started_at = trio.current_time()
+                sink.live = True
                 async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
                     transport = HttpTransport(
                         client, base_for=lambda _p: proxy.url, model=bench.model,

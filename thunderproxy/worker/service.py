@@ -94,9 +94,21 @@ async def start_worker(state: WorkerState, pool: BackendPool) -> None:
             "(see --worker-ready-timeout); check that the model server started"
         )
         return
+    targets = []
+    for node in pool:
+        # The benchmark speaks HTTP to the server itself, through the backend's own client
+        # (its base URL and credentials); an in-process backend has no such thing to measure.
+        client = getattr(node.backend, "client", None)
+        if not isinstance(client, httpx.AsyncClient):
+            state.mark_errored(
+                f"backend {node.url} is not reached over HTTP; worker mode benchmarks HTTP "
+                "backends only (pass them with --backends)"
+            )
+            return
+        targets.append((node.url, client))
     try:
         capacity = await measure(
-            [(b.url, b.client) for b in pool],
+            targets,
             benchmark=config.benchmark,
             cache_path=config.benchmark_cache,
             program_tokens=config.program_tokens,

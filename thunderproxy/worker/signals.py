@@ -70,26 +70,27 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def signals_from_services(services: Services) -> SignalsProvider:
-    """The default provider: the scheduler's registry and the pool's last metrics polls."""
+    """The default provider: counts and capacities from ``services.statistics()``, the one
+    snapshot /health and /metrics read; KV demand and waits from the scheduler's registry,
+    which that snapshot does not carry per program."""
     from ..programs import ProgramStatus
 
     registry = services.scheduler.registry
-    pool = services.pool
 
     def read() -> ProgramSignals:
         now = trio.current_time()
-        counts = registry.counts()
+        stats = services.statistics()
         demand = 0
         waits = []
         for program in registry:
             demand += program.total_tokens
             if program.waiting_since is not None:
                 waits.append(now - program.waiting_since)
-        capacities = [b.capacity_tokens for b in pool if b.capacity_tokens]
+        capacities = [b.capacity_tokens for b in stats.backends if b.capacity_tokens]
         return ProgramSignals(
-            running=counts[ProgramStatus.REASONING],
-            acting=counts[ProgramStatus.ACTING],
-            paused=counts[ProgramStatus.PAUSED],
+            running=stats.by_status[ProgramStatus.REASONING],
+            acting=stats.by_status[ProgramStatus.ACTING],
+            paused=stats.by_status[ProgramStatus.PAUSED],
             kv_demand_tokens=demand,
             kv_capacity_tokens=sum(c for c in capacities if c) if capacities else None,
             queue_wait_p90_s=percentile(waits, 0.9),
