@@ -165,3 +165,27 @@ async def test_a_missing_signing_key_is_reported_as_the_error(
     error = scaler.reports[0]["error_msg"]
     assert (error == "") is unsecured
     assert unsecured or "cannot verify requests" in error
+
+
+async def test_a_backend_that_goes_down_after_startup_is_reported_until_it_is_back(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from thunderproxy.backends import BackendPool
+
+    scaler = Autoscaler()
+    state = ready_state()
+    pool = BackendPool()
+    node = pool.add("http://127.0.0.1:9")
+    t0 = trio.current_time()
+    try:
+        async with reporting(scaler, state, pool=pool):
+            await trio.sleep(12.5)  # reports at 1 and 11
+            node.health.down("connection refused")
+            await trio.sleep(2.0)  # reported on the next tick, not after 10 s
+            node.health.ok()
+            await trio.sleep(2.0)
+    finally:
+        await pool.aclose()
+    assert [t - t0 for t in scaler.report_times] == [1.0, 11.0, 13.0, 15.0]
+    errors = [r["error_msg"] for r in scaler.reports]
+    assert errors == ["", "", "no healthy backend: http://127.0.0.1:9: connection refused", ""]

@@ -17,6 +17,7 @@ import httpx
 import trio
 
 from .. import __version__
+from ..backends import BackendPool
 from .ledger import Counters
 from .signals import ProgramSignals
 from .state import Phase, WorkerState
@@ -41,6 +42,15 @@ def disk_used_gb() -> float:
     return shutil.disk_usage("/").used / 2**30
 
 
+def backend_problem(pool: BackendPool) -> str | None:
+    """Why no backend can serve right now (every one failed its last health check), or None.
+    Unlike the seed's sticky error this clears itself once a backend answers again."""
+    nodes = list(pool)
+    if not nodes or any(node.healthy for node in nodes):
+        return None
+    return "no healthy backend: " + "; ".join(f"{n.url}: {n.last_error or 'down'}" for n in nodes)
+
+
 def build_report(
     state: WorkerState,
     window: Counters,
@@ -49,6 +59,7 @@ def build_report(
     loadtime: float | None,
     disk_delta_gb: float,
     signals: ProgramSignals | None,
+    backend_error: str | None = None,
 ) -> dict[str, Any]:
     """The ``worker_status`` body: the PyWorker's ``WorkerStatusData`` fields (their spelling,
     ``num_requests_recieved`` included), then thunderproxy's own under ``thunderproxy``."""
@@ -56,6 +67,8 @@ def build_report(
     error = state.error
     if error is None and state.secured and state.public_key is None and state.key_error:
         error = f"cannot verify requests: {state.key_error}"
+    if error is None and state.phase is Phase.READY:
+        error = backend_error
     capacity = state.capacity
     report: dict[str, Any] = {
         "id": state.config.worker_id,
@@ -151,6 +164,7 @@ async def serve_load_reporter(
     *,
     url: str,
     signals: Callable[[], ProgramSignals] | None = None,
+    pool: BackendPool | None = None,
     disk: Callable[[], float] = disk_used_gb,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -159,12 +173,16 @@ async def serve_load_reporter(
     last_sent_at: float | None = None
     disk_base = disk()
     failing = False
+    reported_problem: str | None = None
     task_status.started()
     while True:
         await trio.sleep(REPORT_INTERVAL_S)
         now = trio.current_time()
+        problem = None if pool is None else backend_problem(pool)
         # While loading, the seed reports only every 10 s: nothing is served yet.
         changed = ledger.changed and state.phase is not Phase.LOADING
+        # A backend going down (or back up) is news for the autoscaler at once.
+        changed = changed or problem != reported_problem
         if not report_due(now, last_sent_at, changed=changed):
             continue
         window = ledger.window
@@ -177,11 +195,13 @@ async def serve_load_reporter(
             loadtime=loadtime,
             disk_delta_gb=disk_now - disk_base,
             signals=None if signals is None else signals(),
+            backend_error=problem,
         )
         ledger.changed = False
         accepted, errors = await deliver(state, client, report, window, loadtime)
         if accepted:
             last_sent_at = now
+            reported_problem = problem
             disk_base = disk_now
             if failing:
                 log.info("load reports accepted again by %s", ", ".join(accepted))

@@ -161,7 +161,7 @@ async def serve_worker(
         if state.secured:
             await nursery.start(serve_key_fetcher, state, client)
         await nursery.start(
-            partial(serve_load_reporter, state, client, url=report_url, signals=signals)
+            partial(serve_load_reporter, state, client, url=report_url, signals=signals, pool=pool)
         )
         nursery.start_soon(start_worker, state, pool)
         task_status.started()
