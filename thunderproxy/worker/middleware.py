@@ -237,7 +237,8 @@ class WorkerMiddleware:
         state = self.state
         if refusal.workload is not None:
             state.ledger.reject(refusal.workload)
-        log.info("refused %s %s: %s", scope["method"], scope["path"], refusal.message)
+        # Debug only: refusals can come in floods; each one is a worker_events row anyway.
+        log.debug("refused %s %s: %s", scope["method"], scope["path"], refusal.message)
         state.event(
             refusal.event,
             refusal.message,
