@@ -35,6 +35,8 @@ class Autoscaler:
     report_status: int = 200
     pubkey_status: int = 200
     pubkey_fetches: int = 0
+    #: Bodies of POST /delete_requests/ (answered with report_status, like reports).
+    deletes: list[dict[str, Any]] = field(default_factory=list)
     reqnum: int = 0
     url: str = "http://autoscaler.invalid"
 
@@ -96,6 +98,11 @@ class Autoscaler:
             if status < 300:
                 self.reports.append(json.loads(body))
                 self.report_times.append(trio.current_time())
+            answer = b"{}"
+        elif path == "/delete_requests/" and scope["method"] == "POST":
+            status = self.report_status
+            if status < 300:
+                self.deletes.append(json.loads(body))
             answer = b"{}"
         else:
             status, answer = 404, b"not found"

@@ -189,3 +189,55 @@ async def test_a_backend_that_goes_down_after_startup_is_reported_until_it_is_ba
     assert [t - t0 for t in scaler.report_times] == [1.0, 11.0, 13.0, 15.0]
     errors = [r["error_msg"] for r in scaler.reports]
     assert errors == ["", "", "no healthy backend: http://127.0.0.1:9: connection refused", ""]
+
+
+async def test_ended_signed_requests_are_handed_back_and_kept_through_an_outage(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from thunderproxy.worker.reporter import serve_request_cleanup
+
+    scaler = Autoscaler()
+    events: list[WorkerEventRecord] = []
+    state = ready_state(events)
+    ledger = state.ledger
+    transport = httpx.ASGITransport(app=scaler)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport) as client, trio.open_nursery() as nursery:
+        await nursery.start(serve_request_cleanup, state, client)
+        ledger.finish(ledger.start(1.0, 7), Outcome.SERVED)
+        ledger.finish(ledger.start(1.0, 8), Outcome.ERRORED)
+        ledger.finish(ledger.start(1.0), Outcome.SERVED)  # unsigned: the autoscaler never knew it
+        ledger.reject(2.0, 9)
+        await trio.sleep(1.5)
+        assert scaler.deletes == [
+            {"worker_id": 42, "mtoken": "tok", "request_idxs": [7], "success": True},
+            {"worker_id": 42, "mtoken": "tok", "request_idxs": [8, 9], "success": False},
+        ]
+        scaler.report_status = 503
+        ledger.finish(ledger.start(1.0, 10), Outcome.CANCELLED)
+        await trio.sleep(10.0)
+        assert len(scaler.deletes) == 2
+        assert ledger.done == [(10, True)]
+        scaler.report_status = 200
+        await trio.sleep(6.0)
+        assert scaler.deletes[2:] == [
+            {"worker_id": 42, "mtoken": "tok", "request_idxs": [10], "success": True}
+        ]
+        assert ledger.done == []
+        nursery.cancel_scope.cancel()
+    assert any(e.event == "cleanup_failed" for e in events)
+
+
+def test_acknowledge_leaves_what_arrived_during_the_send_and_skips_what_was_dropped() -> None:
+    from thunderproxy.worker.ledger import Ledger
+
+    ledger = Ledger()
+    ledger.done = [(1, True), (2, True), (3, False)]
+    ledger.acknowledge(2, ledger.done_dropped)  # took 1 and 2; 3 arrived meanwhile
+    assert ledger.done == [(3, False)]
+    ledger.done = [(4, True), (5, True), (6, True)]
+    before = ledger.done_dropped
+    ledger.done_dropped += 2  # 4 and 5 were dropped for room while the batch was in flight
+    del ledger.done[:2]
+    ledger.done.append((7, True))
+    ledger.acknowledge(3, before)  # took 4, 5, 6: only 6 is still there
+    assert ledger.done == [(7, True)]

@@ -45,8 +45,13 @@ def _combine(a: Counters, b: Counters, sign: int) -> Counters:
 @dataclass(frozen=True)
 class Ticket:
     key: int
-    request_idx: int
+    #: The autoscaler's index of a signed request; None for an unsigned one.
+    request_idx: int | None
     workload: float
+
+
+#: Ended requests kept for the autoscaler's cleanup when it cannot be reached (oldest dropped).
+MAX_DONE = 100_000
 
 
 class Ledger:
@@ -60,6 +65,10 @@ class Ledger:
         self.max_throughput: float | None = None
         #: Something a report should carry happened since the last accepted report.
         self.changed = False
+        #: Signed requests that ended, (request_idx, success), until an autoscaler took them
+        #: (``POST /delete_requests/``); ``done_dropped`` counts those dropped past MAX_DONE.
+        self.done: list[tuple[int, bool]] = []
+        self.done_dropped = 0
         self._keys = itertools.count()
 
     def _count(self, delta: Counters) -> None:
@@ -79,11 +88,27 @@ class Ledger:
         wait = self.wait_estimate()
         return wait if wait is not None and wait > max_wait else None
 
-    def reject(self, workload: float) -> None:
-        """Refused before any work: bad signature, replay, queue too long."""
+    def reject(self, workload: float, request_idx: int | None = None) -> None:
+        """Refused before any work: bad signature, replay, queue too long. ``request_idx``
+        only for a request whose signature was valid (a forged index is nobody's)."""
         self._count(Counters(rejected=workload, requests=1))
+        if request_idx is not None:
+            self._done(request_idx, success=False)
 
-    def start(self, workload: float, request_idx: int = 0) -> Ticket:
+    def _done(self, request_idx: int, *, success: bool) -> None:
+        self.done.append((request_idx, success))
+        if len(self.done) > MAX_DONE:
+            del self.done[0]
+            self.done_dropped += 1
+
+    def acknowledge(self, count: int, dropped_before: int) -> None:
+        """An autoscaler took the first ``count`` entries of ``done`` as they were when
+        ``done_dropped`` was ``dropped_before``; remove what is still there of them."""
+        remaining = count - (self.done_dropped - dropped_before)
+        if remaining > 0:
+            del self.done[:remaining]
+
+    def start(self, workload: float, request_idx: int | None = None) -> Ticket:
         ticket = Ticket(next(self._keys), request_idx, workload)
         self.working[ticket.key] = ticket
         self.pending += workload
@@ -96,6 +121,9 @@ class Ledger:
         self.pending -= ticket.workload
         if not self.working:
             self.pending = 0.0  # no float dust once idle
+        if ticket.request_idx is not None:
+            # The seed's meaning of success: the client got its answer or left; not an error.
+            self._done(ticket.request_idx, success=outcome is not Outcome.ERRORED)
         w = ticket.workload
         if outcome is Outcome.SERVED:
             self._count(Counters(served=w))
@@ -109,7 +137,7 @@ class Ledger:
         return sum(t.workload for t in self.working.values())
 
     def working_request_idxs(self) -> list[int]:
-        return [t.request_idx for t in self.working.values()]
+        return [t.request_idx for t in self.working.values() if t.request_idx is not None]
 
     def commit(self, reported: Counters) -> None:
         """The autoscaler accepted a report carrying ``reported``: take it off the window."""

@@ -47,8 +47,10 @@ class Refusal(Exception):
         workload: float | None = None,
         reqnum: int | None = None,
         retry_after: float | None = None,
+        request_idx: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.request_idx = request_idx
         self.status = status
         self.error_type = error_type
         self.message = message
@@ -236,7 +238,7 @@ class WorkerMiddleware:
     async def _refuse(self, scope: Scope, send: Send, refusal: Refusal) -> None:
         state = self.state
         if refusal.workload is not None:
-            state.ledger.reject(refusal.workload)
+            state.ledger.reject(refusal.workload, refusal.request_idx)
         # Debug only: refusals can come in floods; each one is a worker_events row anyway.
         log.debug("refused %s %s: %s", scope["method"], scope["path"], refusal.message)
         state.event(
@@ -277,10 +279,12 @@ class WorkerMiddleware:
                     workload=workload,
                     reqnum=reqnum,
                     retry_after=wait - state.config.max_wait_time,
+                    # Verified (or unsecured): the autoscaler may drop it from its books.
+                    request_idx=None if auth is None else auth.request_idx,
                 ),
             )
             return
-        ticket = ledger.start(workload, 0 if auth is None else auth.request_idx)
+        ticket = ledger.start(workload, None if auth is None else auth.request_idx)
         status: int | None = None
         complete = False
         disconnected = False

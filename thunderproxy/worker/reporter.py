@@ -107,12 +107,16 @@ def build_report(
 async def post_report(client: httpx.AsyncClient, addr: str, report: dict[str, Any]) -> str | None:
     """Send one report to one address with the seed's retries; None when accepted, else why
     the last attempt failed."""
-    target = addr.rstrip("/") + "/worker_status/"
+    return await post_json(client, addr.rstrip("/") + "/worker_status/", report)
+
+
+async def post_json(client: httpx.AsyncClient, target: str, body: dict[str, Any]) -> str | None:
+    """POST ``body`` with the seed's retries; None when accepted, else the last error."""
     error = "not sent"
     for attempt in range(1, REPORT_ATTEMPTS + 1):
         try:
             with trio.fail_after(REPORT_TIMEOUT_S):
-                response = await client.post(target, json=report)
+                response = await client.post(target, json=body)
             if response.status_code < 300:
                 return None
             error = f"{target} answered {response.status_code}"
@@ -217,3 +221,45 @@ async def serve_load_reporter(
             failing = True
         for addr, error in errors.items():
             state.event("report_failed", error, report_addr=addr)
+
+
+async def serve_request_cleanup(
+    state: WorkerState,
+    client: httpx.AsyncClient,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Every second, tell the autoscaler which signed requests ended (the seed's
+    ``delete_requests`` loop): ``POST <addr>/delete_requests/`` with ``worker_id``, ``mtoken``,
+    ``request_idxs`` and ``success``, one post per outcome, to the first address that takes
+    both. Entries leave the ledger only then, so an outage delays them and loses none."""
+    ledger = state.ledger
+    task_status.started()
+    while True:
+        await trio.sleep(REPORT_INTERVAL_S)
+        batch = list(ledger.done)
+        if not batch:
+            continue
+        dropped_before = ledger.done_dropped
+        errors = []
+        for addr in state.config.report_addrs:
+            target = addr.rstrip("/") + "/delete_requests/"
+            for success in (True, False):
+                idxs = [idx for idx, ok in batch if ok is success]
+                if not idxs:
+                    continue
+                body = {
+                    "worker_id": state.config.worker_id,
+                    "mtoken": state.config.master_token,
+                    "request_idxs": idxs,
+                    "success": success,
+                }
+                error = await post_json(client, target, body)
+                if error is not None:
+                    errors.append(error)
+                    break
+            else:
+                ledger.acknowledge(len(batch), dropped_before)
+                break
+        else:
+            state.event("cleanup_failed", "; ".join(errors), data={"requests": len(batch)})

@@ -14,7 +14,7 @@ from ..backends import BackendPool
 from ..backends.poller import wait_until_ready
 from .auth import load_public_key
 from .benchmark import BenchmarkError, measure
-from .reporter import serve_load_reporter
+from .reporter import serve_load_reporter, serve_request_cleanup
 from .signals import ProgramSignals
 from .state import WorkerState
 
@@ -163,5 +163,6 @@ async def serve_worker(
         await nursery.start(
             partial(serve_load_reporter, state, client, url=report_url, signals=signals, pool=pool)
         )
+        await nursery.start(serve_request_cleanup, state, client)
         nursery.start_soon(start_worker, state, pool)
         task_status.started()
