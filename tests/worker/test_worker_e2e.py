@@ -216,11 +216,18 @@ async def test_reports_carry_exactly_the_workload_served(
     costs = [2, 3.5, 4, 1, 6]
     async with worker(tmp_path, sim.url, scaler) as (_p, state, client):
         await until_ready(state)
+        idxs = []
         for cost in costs:
             body = scaler.wrap(CHAT, cost=cost)
+            idxs.append(body["auth_data"]["request_idx"])
             assert (await client.post("/v1/chat/completions", json=body, headers=FIVE)).is_success
             await trio.sleep(0.3)  # spread over several report windows
         await wait_for(lambda: scaler.served_total() == sum(costs), timeout=10)
+        # Each ended request is handed back once, as a success.
+        await wait_for(
+            lambda: sorted(i for d in scaler.deletes for i in d["request_idxs"]) == sorted(idxs)
+        )
+        assert all(d["success"] for d in scaler.deletes)
     reports = scaler.reports
     assert len([r for r in reports if r["cur_perf"]]) >= 2  # more than one window
     assert sum(r["new_load"] for r in reports) == sum(costs)
