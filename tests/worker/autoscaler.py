@@ -21,7 +21,7 @@ from hypercorn.trio import serve
 
 from thunderproxy.worker.auth import sign
 
-# One key for the whole session: RSA generation is the slow part of these tests.
+# One key for the whole test run: RSA generation is the slow part of these tests.
 _KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
 
