@@ -12,7 +12,7 @@ import click
 import trio
 
 from . import __version__
-from .config import Settings, load_settings, settings_options
+from .config import Settings, given_values, load_settings, settings_options
 from .errors import ThunderproxyError
 
 DB_OPTION = click.option(
@@ -54,15 +54,19 @@ def cli() -> None:
 
 @cli.command()
 @settings_options()
-def serve(**values: Any) -> None:
+@click.pass_context
+def serve(ctx: click.Context, /, **values: Any) -> None:
     """Run the proxy until SIGINT/SIGTERM (in-flight requests are drained first).
 
-    Every option can also be set through the environment variable shown next to it.
+    Every option can also be set through the environment variable shown next to it, or as a
+    key of the --config file (docs/CONFIG.md); flags beat variables, which beat the file.
     """
+    given, origins = given_values(ctx, values)
     try:
-        settings: Settings = load_settings(values)
+        settings: Settings = load_settings(given, origins=origins)
     except ThunderproxyError as exc:
-        raise click.UsageError(exc.message) from None
+        # One line: what is wrong and how to fix it (a usage dump would bury it).
+        raise click.ClickException(exc.message) from None
     configure_logging(settings.log_level)
     if settings.datasette:
         # trio-asyncio has to patch asyncio before Quart imports aiofiles (see explore.mount).

@@ -184,7 +184,7 @@ async def run(
                 pool=pool,
                 audit=audit,
                 profiles=profiles,
-                config=settings.policy(),
+                config=settings.policy,
             )
             with trio.move_on_after(settings.ready_timeout) as waiting:
                 await wait_until_ready(pool)

@@ -151,7 +151,7 @@ async def run_target(
                 pool=pool,
                 audit=audit,
                 profiles=Profiles(),
-                config=settings.policy(),
+                config=settings.policy,
             )
             await nursery.start(
                 partial(
