@@ -52,6 +52,15 @@ def cli() -> None:
     """
 
 
+def _our_error(exc: BaseException) -> ThunderproxyError | None:
+    """The ThunderproxyError behind ``exc``, also when nurseries wrapped it in groups."""
+    if isinstance(exc, ThunderproxyError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _our_error(exc.exceptions[0])
+    return None
+
+
 @cli.command()
 @settings_options()
 @click.pass_context
@@ -75,8 +84,11 @@ def serve(ctx: click.Context, /, **values: Any) -> None:
 
     try:
         trio.run(partial(run, settings, handle_signals=True))
-    except ThunderproxyError as exc:
-        raise click.ClickException(exc.message) from None
+    except BaseException as exc:
+        error = _our_error(exc)
+        if error is None:
+            raise
+        raise click.ClickException(error.message) from None
 
 
 @cli.command()

@@ -3,6 +3,7 @@
     ThunderproxyError
       ConfigError                   a setting or flag is wrong; raised before anything starts
       AuditError                    the SQLite audit db cannot be opened or migrated
+      NotReady                      still starting: backends have not answered /health (503)
       RequestError                  the client's request cannot be served as sent
         InvalidRequest              malformed JSON, wrong types (400)
         PayloadTooLarge             body over the configured limit (413)
@@ -54,6 +55,17 @@ class AuditError(ThunderproxyError):
     """The audit database cannot be opened, migrated or written."""
 
     error_type = "audit_error"
+
+
+class NotReady(ThunderproxyError):
+    """The proxy listens but does not serve LLM calls yet: its backends have not answered
+    /health (for at most --ready-timeout). Clients retry after ``retry_after_s``."""
+
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class RequestError(ThunderproxyError):

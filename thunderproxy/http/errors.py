@@ -17,6 +17,7 @@ from ..errors import (
     HeadersTooLarge,
     InvalidRequest,
     NoBackendAvailable,
+    NotReady,
     PayloadTooLarge,
     ProfilingDisabled,
     ProgramReleased,
@@ -40,6 +41,7 @@ STATUS: dict[type[ThunderproxyError], int] = {
     BackendUnavailable: 502,
     BackendProtocolError: 502,
     NoBackendAvailable: 503,
+    NotReady: 503,
     BackendTimeout: 504,
 }
 
@@ -61,7 +63,7 @@ def error_body(message: str, *, error_type: str, status: int, param: str | None 
 def error_response(error: ThunderproxyError) -> Response:
     status = status_for(error)
     headers = {"content-type": "application/json"}
-    if isinstance(error, QueueFull):
+    if isinstance(error, (QueueFull, NotReady)):
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s)))
     body = error_body(error.message, error_type=error.error_type, status=status, param=error.param)
     return Response(body, status=status, headers=headers)
