@@ -126,8 +126,8 @@ def migrate(db: str, list_only: bool) -> None:
 def explore(db: str, host: str, port: int) -> None:
     """Browse an audit db with Datasette, read-only, at /datasette/.
 
-    The same tables, views, canned queries and dashboard that `serve` mounts on its own port,
-    for a db copied off a server (copy its -wal file too if the proxy is still running). DB
+    The same tables, views, canned queries and dashboard that `serve` mounts on the proxy's
+    port, for a db copied off a server (copy its -wal file too if the proxy is still running). DB
     defaults to $THUNDERPROXY_DB, else thunderproxy.db.
 
     \b
