@@ -12,17 +12,11 @@ import click
 import trio
 
 from . import __version__
-from .config import Settings, given_values, load_settings, settings_options
+from .config import SETTINGS_BY_NAME, Settings, given_values, load_settings, settings_options
 from .errors import ThunderproxyError
 
-DB_OPTION = click.option(
-    "--db",
-    default="thunderproxy.db",
-    show_default=True,
-    envvar="THUNDERPROXY_DB",
-    show_envvar=True,
-    help="SQLite audit db.",
-)
+#: serve's --db setting, for the commands that open the same audit db.
+DB = SETTINGS_BY_NAME["db"]
 
 
 def configure_logging(level: str) -> None:
@@ -92,7 +86,7 @@ def serve(ctx: click.Context, /, **values: Any) -> None:
 
 
 @cli.command()
-@DB_OPTION
+@settings_options([DB])
 @click.option("--list", "list_only", is_flag=True, help="Only list migrations and their state.")
 def migrate(db: str, list_only: bool) -> None:
     """Apply the audit db's pending schema migrations (serve does this at startup too)."""
@@ -118,7 +112,7 @@ def migrate(db: str, list_only: bool) -> None:
 
 
 @cli.command()
-@click.argument("db", default="thunderproxy.db", envvar="THUNDERPROXY_DB")
+@click.argument("db", default=DB.default, envvar=DB.envvar)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
 @click.option(
     "--port", default=8301, show_default=True, type=int, help="TCP port (0: any free port)."
