@@ -155,7 +155,10 @@ def probe(ctx: click.Context, /, **values: Any) -> None:
 
 
 def probe_run(args: list[str], env: dict[str, str] | None = None) -> str:
-    result = CliRunner().invoke(probe, args, env=env or {}, catch_exceptions=False)
+    # The caller's own THUNDERPROXY_* variables must not leak into the test.
+    isolated: dict[str, str | None] = {s.envvar: None for s in SETTINGS}
+    isolated.update(env or {})
+    result = CliRunner().invoke(probe, args, env=isolated, catch_exceptions=False)
     return result.output.strip()
 
 
