@@ -259,7 +259,11 @@ class SimApp:
 
     async def _generate(self, request: Request, *, chat: bool) -> None:
         body = await request.json()
-        if chat and isinstance(body, dict) and body.get("tools") is not None:
+        if (
+            chat
+            and isinstance(body, dict)
+            and (body.get("tools") is not None or body.get("tool_choice") not in (None, "none"))
+        ):
             from .chat_tools import serve_chat_with_tools
 
             await serve_chat_with_tools(self, request, body)
