@@ -210,3 +210,20 @@ async def test_a_second_turn_extending_the_first_hits_the_cache(
     reply_end = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
     assert hits == (reply_end - 1) // 32 * 32  # the generated tool_use block included
     assert second.json()["usage"]["input_tokens"] > reply_end
+
+
+async def test_faults_reach_messages_in_anthropic_shape(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/messages", json=body(), headers={"X-Sim-Fault": "500"})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "internal_error"
+    r = await client.post("/v1/messages", json=body(), headers={"X-Sim-Fault": "stream"})
+    assert r.status_code == 500
+    assert r.json()["type"] == "error"
+    lines = []
+    payload = body(stream=True, max_tokens=40)
+    headers = {"X-Sim-Fault": "stream", "X-Sim-Output-Tokens": "40"}
+    async with client.stream("POST", "/v1/messages", json=payload, headers=headers) as response:
+        lines = [line async for line in response.aiter_lines() if line]
+    assert lines[-3] == "event: error"
+    assert json.loads(lines[-2][len("data: ") :])["error"]["type"] == "internal_error"
+    assert lines[-1] == "data: [DONE]"

@@ -183,3 +183,13 @@ async def test_the_store_is_bounded(client: httpx.AsyncClient) -> None:
     ]
     assert (await client.get(f"/v1/responses/{ids[0]}")).status_code == 404
     assert (await client.get(f"/v1/responses/{ids[2]}")).status_code == 200
+
+
+async def test_a_failed_stream_ends_with_an_error_event(client: httpx.AsyncClient) -> None:
+    payload = {"input": "hi", "max_output_tokens": 40, "stream": True}
+    headers = {"X-Sim-Fault": "stream", "X-Sim-Output-Tokens": "40"}
+    async with client.stream("POST", "/v1/responses", json=payload, headers=headers) as r:
+        data = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data")]
+    assert data[-1]["type"] == "error"
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    assert all(d["type"] != "response.completed" for d in data)
