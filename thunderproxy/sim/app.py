@@ -18,6 +18,7 @@ import trio
 
 from . import exposition
 from .anthropic import anthropic_routes
+from .chat_tools import serve_chat_with_tools
 from .config import SimConfig
 from .control import dev_mode_routes, sim_routes
 from .engine import Engine, EngineDeadError, QueueFullError, RequestHandle
@@ -264,8 +265,6 @@ class SimApp:
             and isinstance(body, dict)
             and (body.get("tools") is not None or body.get("tool_choice") not in (None, "none"))
         ):
-            from .chat_tools import serve_chat_with_tools
-
             await serve_chat_with_tools(self, request, body)
             return
         parsed = parse_generate(

@@ -64,18 +64,18 @@ def _arguments(raw: Any) -> Any:
 
 def template_messages(
     messages: Sequence[Mapping[str, Any]], tools: Sequence[ToolSpec] | None
-) -> list[dict[str, Any]]:
+) -> list[Mapping[str, Any]]:
     """Chat messages with tool parts rendered into text, for `Tokenizer.encode_chat`.
 
     The tools block joins the leading system message (or becomes one); an assistant
     message's `tool_calls` follow its content, one `<tool_call>` each, exactly as the model
     generated them, so a resent history retokenizes to the ids that were generated.
     """
-    out: list[dict[str, Any]] = []
+    out: list[Mapping[str, Any]] = []
     for message in messages:
         calls = message.get("tool_calls")
         if not calls or not isinstance(calls, list):
-            out.append(dict(message))
+            out.append(message)  # not copied: agents resend hundreds of messages a turn
             continue
         text = _plain(message.get("content"))
         parts = []
