@@ -293,3 +293,23 @@ async def test_an_agent_loop_resending_the_call_hits_the_cache(
     # Everything up to the reply's last full block was cached, the generated call included.
     assert hits == (reply_end - 1) // 32 * 32
     assert prompt > reply_end
+
+
+def test_odd_schemas_still_give_valid_arguments() -> None:
+    """Schemas agents really send: untyped, required-but-undescribed, inverted bounds."""
+    odd: list[tuple[dict[str, Any], Any]] = [
+        ({"type": "object", "required": ["query"]}, lambda v: isinstance(v["query"], str)),
+        ({"type": "integer", "minimum": 50, "maximum": 10}, lambda v: v == 50),
+        ({"type": ["string", "null"]}, lambda v: isinstance(v, str)),
+        ({"anyOf": [{"type": "null"}, {"type": "boolean"}]}, lambda v: isinstance(v, bool)),
+        ({"properties": {"n": {"type": "number"}}, "required": ["n"]},
+         lambda v: isinstance(v["n"], float)),
+        ({"const": "fixed"}, lambda v: v == "fixed"),
+        ({}, lambda v: isinstance(v, str)),
+    ]  # fmt: skip
+    for seed in range(10):
+        gen = ArgumentGenerator(random.Random(seed))
+        for schema, ok in odd:
+            value = gen.value(schema, "query")
+            assert ok(value), (schema, value)
+            json.dumps(value)

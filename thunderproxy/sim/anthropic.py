@@ -127,18 +127,7 @@ def to_chat_body(body: Any, *, count_only: bool = False) -> dict[str, Any]:
             out["stream"] = True
     tools = body.get("tools")
     if isinstance(tools, list):
-        out["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.get("name"),
-                    "description": t.get("description"),
-                    "parameters": t.get("input_schema") or {"type": "object"},
-                },
-            }
-            for t in tools
-            if isinstance(t, Mapping)
-        ]
+        out["tools"] = [_chat_tool(t) for t in tools if isinstance(t, Mapping)]
     choice = body.get("tool_choice")
     if isinstance(choice, Mapping):
         kind = choice.get("type")
@@ -149,6 +138,15 @@ def to_chat_body(body: Any, *, count_only: bool = False) -> dict[str, Any]:
         elif kind == "any":
             out["tool_choice"] = "required"
     return out
+
+
+def _chat_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    schema = tool.get("input_schema")
+    parameters = dict(schema) if isinstance(schema, Mapping) else {}
+    parameters.setdefault("type", "object")  # vLLM's default for a schema without one
+    function = {"name": tool.get("name"), "description": tool.get("description"),
+                "parameters": parameters}
+    return {"type": "function", "function": function}
 
 
 def _convert_blocks(

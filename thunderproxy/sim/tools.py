@@ -382,7 +382,7 @@ class ArgumentGenerator:
             return [self.value(schema.get("items", {}), key, depth + 1) for _ in range(count)]
         if kind == "integer":
             low = int(schema.get("minimum", 1))
-            return self.rng.randint(low, int(schema.get("maximum", max(low, 200))))
+            return self.rng.randint(low, max(low, int(schema.get("maximum", low + 199))))
         if kind == "number":
             lo = float(schema.get("minimum", 0.0))
             return round(self.rng.uniform(lo, float(schema.get("maximum", lo + 100.0))), 2)
@@ -395,13 +395,15 @@ class ArgumentGenerator:
     def _object(self, schema: Mapping[str, Any], depth: int) -> dict[str, Any]:
         props = schema.get("properties")
         if not isinstance(props, Mapping):
-            return {}
+            props = {}
         required = schema.get("required")
         wanted = set(required) if isinstance(required, list) else set()
         out: dict[str, Any] = {}
         for name, sub in props.items():
             if name in wanted or (depth < 2 and self.rng.random() < 0.25):
                 out[name] = self.value(sub, name, depth + 1)
+        for name in sorted(wanted - set(out)):  # required but never described
+            out[name] = self._string(str(name))
         return out
 
     def _string(self, key: str) -> str:
