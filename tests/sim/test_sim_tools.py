@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
+from trio.testing import MockClock
 
+from thunderproxy.sim import Engine, SimConfig
 from thunderproxy.sim.tokenizer import Tokenizer
 from thunderproxy.sim.tools import (
     ArgumentGenerator,
@@ -21,7 +24,7 @@ from thunderproxy.sim.tools import (
     template_messages,
 )
 
-from .helpers import parse_metrics
+from .helpers import SMALL, parse_metrics, token_prompt
 from .test_sim_http import MODEL, sse
 
 ALWAYS = {"tool_call_probability": 1.0, "tool_call_after_result_probability": 1.0}
@@ -313,3 +316,25 @@ def test_odd_schemas_still_give_valid_arguments() -> None:
             value = gen.value(schema, "query")
             assert ok(value), (schema, value)
             json.dumps(value)
+
+
+async def test_a_scripted_call_is_decoded_token_by_token(
+    autojump_clock: MockClock, start_engine: Callable[[SimConfig], Awaitable[Engine]]
+) -> None:
+    """The call's tokens are engine output: one per decode step, then EOS, in the usage."""
+    engine = await start_engine(SimConfig(**SMALL))  # type: ignore[arg-type]
+    tok = engine.tokenizer
+    p = plan("auto", [1, 2, 3], probability=1.0)
+    script = [(tok.piece_id(piece), piece) for piece in tok.pieces(p.text)]
+    handle = engine.submit(token_prompt(5, 100), max_tokens=2000, script=script)
+    outputs = [out async for out in handle]
+    assert "".join(o.text for o in outputs) == p.text
+    assert len(outputs) == len(script) + 1  # one token per step, EOS last
+    assert outputs[-1].finish_reason == "stop"
+    assert outputs[-1].num_output_tokens == len(script) + 1
+    decode_steps = [rec for rec in engine.trace if all(b[3] for b in rec[3])]
+    assert len(decode_steps) == len(script)  # the first token came with the prefill
+    short = engine.submit(token_prompt(6, 100), max_tokens=5, script=script)
+    cut = [out async for out in short]
+    assert cut[-1].finish_reason == "length"
+    assert "".join(o.text for o in cut) == "".join(piece for _, piece in script[:5])
