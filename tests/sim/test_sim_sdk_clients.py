@@ -8,7 +8,7 @@ The SDKs' synchronous clients run in a worker thread so the simulator keeps the 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import anthropic
@@ -31,17 +31,22 @@ async def in_thread(fn: Callable[[], T]) -> T:
     return await trio.to_thread.run_sync(fn)
 
 
-def oai(sim: Simulator) -> openai.OpenAI:
-    return openai.OpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=0)
+@pytest.fixture
+def oai(sim: Simulator) -> Iterator[openai.OpenAI]:
+    # Closed explicitly: an SDK client left to the garbage collector leaks its sockets.
+    with openai.OpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=0) as client:
+        yield client
 
 
-def claude(sim: Simulator) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=sim.url, api_key="unused", max_retries=0)
+@pytest.fixture
+def claude(sim: Simulator) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=sim.url, api_key="unused", max_retries=0) as client:
+        yield client
 
 
 @pytest.mark.parametrize("sim", [ALWAYS], indirect=True)
-async def test_openai_chat_with_tools(sim: Simulator) -> None:
-    client = oai(sim)
+async def test_openai_chat_with_tools(oai: openai.OpenAI) -> None:
+    client = oai
     messages: Any = [{"role": "user", "content": "list the files"}]
 
     def plain() -> Any:
@@ -67,8 +72,8 @@ async def test_openai_chat_with_tools(sim: Simulator) -> None:
 
 
 @pytest.mark.parametrize("sim", [ALWAYS], indirect=True)
-async def test_openai_responses_with_tools(sim: Simulator) -> None:
-    client = oai(sim)
+async def test_openai_responses_with_tools(oai: openai.OpenAI) -> None:
+    client = oai
 
     def plain() -> Any:
         return client.responses.create(model=MODEL, input="run the tests", tools=RESPONSE_TOOLS)
@@ -94,8 +99,8 @@ async def test_openai_responses_with_tools(sim: Simulator) -> None:
 
 
 @pytest.mark.parametrize("sim", [ALWAYS], indirect=True)
-async def test_anthropic_messages_with_tools(sim: Simulator) -> None:
-    client = claude(sim)
+async def test_anthropic_messages_with_tools(claude: anthropic.Anthropic) -> None:
+    client = claude
     messages: Any = [{"role": "user", "content": "run the tests"}]
 
     def plain() -> Any:
@@ -126,9 +131,9 @@ async def test_anthropic_messages_with_tools(sim: Simulator) -> None:
     assert (await in_thread(count)).input_tokens == full.usage.input_tokens
 
 
-async def test_an_anthropic_agent_loop_ends_with_text(sim: Simulator) -> None:
+async def test_an_anthropic_agent_loop_ends_with_text(claude: anthropic.Anthropic) -> None:
     """With the default knobs an agent's loop of tool calls ends in a text answer."""
-    client = claude(sim)
+    client = claude
 
     def loop() -> tuple[int, Any]:
         messages: list[Any] = [{"role": "user", "content": "fix the failing test"}]

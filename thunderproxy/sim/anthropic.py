@@ -144,8 +144,11 @@ def _chat_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
     schema = tool.get("input_schema")
     parameters = dict(schema) if isinstance(schema, Mapping) else {}
     parameters.setdefault("type", "object")  # vLLM's default for a schema without one
-    function = {"name": tool.get("name"), "description": tool.get("description"),
-                "parameters": parameters}
+    function = {
+        "name": tool.get("name"),
+        "description": tool.get("description"),
+        "parameters": parameters,
+    }
     return {"type": "function", "function": function}
 
 

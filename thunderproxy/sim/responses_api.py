@@ -318,9 +318,11 @@ class ResponsesFrontend(Frontend):
         }
 
     def _message_item(self, text: str, status: str) -> dict[str, Any]:
-        content: list[dict[str, Any]] = [
-            {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
-        ]
+        content: list[dict[str, Any]] = []
+        if text:  # an empty answer is a message without parts, as vLLM writes it
+            content.append(
+                {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+            )
         return {
             "id": self.msg_id,
             "content": content if status == "completed" else [],
@@ -343,7 +345,7 @@ class ResponsesFrontend(Frontend):
     def _outputs(self, text: str) -> list[dict[str, Any]]:
         plan = self.plan
         if plan is None:
-            return [self._message_item(text, "completed")] if text else []
+            return [self._message_item(text, "completed")]
         content, called = plan.parse(text)
         items = []
         if content and (not called or plan.mode == "auto"):
