@@ -4,6 +4,7 @@ its HTTP status and OpenAI error type; http/errors.py renders them.
     ThunderproxyError
       ConfigError                   a setting or flag is wrong; raised before anything starts
       AuditError                    the SQLite audit db cannot be opened or migrated
+      NotReady                      still starting: backends have not answered /health (503)
       RequestError                  the client's request cannot be served as sent
         InvalidRequest              malformed JSON, wrong types (400)
         Unauthorized                admin token missing or wrong (401)
@@ -56,6 +57,15 @@ class ConfigError(ThunderproxyError):
 
 class AuditError(ThunderproxyError):
     """The audit database cannot be opened, migrated or written."""
+
+
+class NotReady(ThunderproxyError):
+    """The proxy listens but does not serve LLM calls yet: its backends have not answered
+    /health (for at most --ready-timeout). Clients retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class RequestError(ThunderproxyError):
@@ -180,6 +190,7 @@ ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
     BackendUnavailable: (502, "backend_error"),
     BackendProtocolError: (502, "backend_error"),
     NoBackendAvailable: (503, "service_unavailable"),
+    NotReady: (503, "service_unavailable"),
     ProxyStopping: (503, "service_unavailable"),
     BackendTimeout: (504, "timeout_error"),
 }

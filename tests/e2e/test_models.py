@@ -162,3 +162,24 @@ async def test_tr_never_moves_a_program_to_a_backend_without_its_model(tmp_path:
         if d["program_id"].startswith("coder") and d["target_backend"] not in (None, coder_url)
     ]
     assert moved == []
+
+
+async def test_an_alias_from_the_config_file_reaches_its_served_model(tmp_path: Path) -> None:
+    helper_config = SimConfig(served_model_name=HELPER, enable_prompt_tokens_details=True)
+    async with open_simulator(helper_config) as helper:
+        config = tmp_path / "thunderproxy.toml"
+        config.write_text(
+            f'[[backends]]\nurl = "{helper.url}"\n\n[aliases]\nsmall = ["{HELPER}"]\n'
+        )
+        db = tmp_path / "audit.db"
+        async with (
+            running_proxy(db, config=str(config)) as proxy,
+            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+        ):
+            r = await client.post("/v1/chat/completions", json=chat("small", "aliased"))
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == HELPER  # what the backend answered, unchanged
+            listed = {card["id"] for card in (await client.get("/v1/models")).json()["data"]}
+            assert listed == {HELPER, "small"}
+    rows = query(db, "select model, backend, status from steps")
+    assert rows == [{"model": "small", "backend": helper.url, "status": 200}]

@@ -5,27 +5,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import httpx
 import trio
 
 from ..errors import BackendProtocolError, BackendTimeout, BackendUnavailable
+from ..urls import redact_url
 from .base import UpstreamRequest
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its userinfo: what may be shown, logged or stored. Credentials in a
-    backend URL are sent to that backend and nowhere else."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    if parts.port is not None:
-        host += f":{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
 @contextmanager

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ModelNotFound, NoBackendAvailable
+from ..urls import redact_url
 from .base import Backend
 from .health import Health
-from .http import HttpBackend, redact_url
+from .http import HttpBackend
 from .metrics import EngineSnapshot
 
 

@@ -120,7 +120,7 @@ async def run_target(
         if settings is not None:
             registry = ProgramRegistry(lambda t: audit.record(TransitionRecord(t)))
             scheduler = Scheduler(
-                policy=policy_named(settings.router, settings.policy()),
+                policy=policy_named(settings.router, settings.policy),
                 registry=registry,
                 pool=pool,
                 audit=audit,

@@ -3,7 +3,7 @@ and their answers back into JSON; the shapes follow the seed API (seed 001)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -38,8 +38,11 @@ from ..snapshot import Statistics
 from .auth import require_admin
 from .errors import error_response
 from .proxy import CLEANUP_KEY, RECORDED_KEY, Proxy, parse_json_object
+from .readiness import Readiness
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+#: The routes that need a backend, refused while the runtime waits for its backends.
+BACKEND_ENDPOINTS = ("chat_completions", "completions", "list_models", "passthrough")
 
 
 @dataclass
@@ -50,6 +53,8 @@ class Services:
     gateway: Gateway
     profiles: Profiles
     clock: WallClock
+    #: Ready unless the runtime is still waiting for its backends.
+    readiness: Readiness = field(default_factory=Readiness)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -183,6 +188,16 @@ def create_app(services: Services) -> QuartTrio:
                 "(see --max-header-bytes)."
             )
 
+    @app.before_request
+    async def refuse_until_ready() -> None:
+        # Calls that need a backend get 503 while starting; the proxy's own endpoints answer.
+        if services.readiness.ready or request.endpoint not in BACKEND_ENDPOINTS:
+            return
+        # Drain the body first: a keep-alive connection left with an unread body stalls the
+        # client's next request on it.
+        await request.get_data(cache=False)
+        services.readiness.check()
+
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         return await proxy.completion("/v1/chat/completions")
@@ -234,9 +249,15 @@ def create_app(services: Services) -> QuartTrio:
     @app.get("/health")
     async def health() -> Response:
         stats = services.statistics()
-        return jsonify(
+        starting = services.readiness.reason()
+        if starting is not None:
+            status = "starting"
+        else:
+            status = "ok" if stats.healthy_backends else "degraded"
+        response = jsonify(
             {
-                "status": "ok" if stats.healthy_backends else "degraded",
+                "status": status,
+                "reason": starting,
                 "version": __version__,
                 "router_mode": stats.router,
                 "scheduling_enabled": stats.router != "default",
@@ -262,6 +283,10 @@ def create_app(services: Services) -> QuartTrio:
                 "audit": _audit_json(stats),
             }
         )
+        if starting is not None:
+            # Not ready for traffic: a load balancer's readiness probe should wait.
+            response.status_code = 503
+        return response
 
     @app.get("/metrics")
     async def metrics() -> Response:

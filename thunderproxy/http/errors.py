@@ -9,7 +9,7 @@ from typing import Any
 
 from quart import Response
 
-from ..errors import QueueFull, ThunderproxyError, describe
+from ..errors import NotReady, QueueFull, ThunderproxyError, describe
 
 
 def status_for(error: ThunderproxyError) -> int:
@@ -31,7 +31,7 @@ def error_json(error: ThunderproxyError) -> bytes:
 def error_response(error: ThunderproxyError) -> Response:
     status = status_for(error)
     headers = {"content-type": "application/json"}
-    if isinstance(error, QueueFull):
+    if isinstance(error, (QueueFull, NotReady)):
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s)))
     return Response(error_json(error), status=status, headers=headers)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from ..config import PolicyConfig as PolicyConfig
 from ..programs import ProgramStatus
 
 
@@ -38,25 +39,6 @@ class Action(StrEnum):
     RETIRE = "retire"
     CANCEL = "cancel"
     REJECT = "reject"
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """The policy's constants; each is a ``serve`` setting (see config.py for the help texts)."""
-
-    decode_buffer: int = 256
-    pause_cooldown_s: float = 5.0
-    resume_cooldown_s: float = 5.0
-    tool_coefficient: float = 1.0
-    acting_half_life_s: float = 5.0
-    max_wait_s: float = 300.0
-    resume_protection_s: float = 30.0
-    idle_lease_s: float = 600.0
-    target_fill: float = 0.9
-    #: 0: newcomers always queue; else a newcomer expected to wait longer is refused (429).
-    max_queue_wait_s: float = 0.0
-    #: A returning program whose call would overflow its backend waits for room.
-    gate_returns: bool = True
 
 
 @dataclass(frozen=True)
