@@ -97,7 +97,7 @@ async def main(programs: int, rate: float, time_scale: float, concurrency: int) 
     kv = demo_kv_tokens(workload, concurrency)
     bench = dataclasses.replace(bench, kv_tokens=kv)
     base = load_settings()
-    scaled = {name: getattr(base, name) * time_scale for name in TIME_SETTINGS}
+    scaled = {name: base.value(name) * time_scale for name in TIME_SETTINGS}
     sink = ReportSink(trio.current_time(), time_scale)
     sink_config = HypercornConfig()
     sink_config.bind = ["127.0.0.1:0"]
