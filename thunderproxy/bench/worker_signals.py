@@ -83,7 +83,10 @@ class ReportSink:
         await send({"type": "http.response.body", "body": b"{}"})
 
 
-async def main(programs: int, rate: float, time_scale: float, concurrency: int) -> None:
+async def main(
+    programs: int, rate: float, time_scale: float, concurrency: int
+) -> list[dict[str, Any]]:
+    """Run it; returns the reports the sink accepted while the agents ran."""
     bench = BenchConfig(
         trace="thunderagent",
         targets=("tr",),
@@ -159,6 +162,7 @@ async def main(programs: int, rate: float, time_scale: float, concurrency: int) 
         (r["thunderproxy"]["programs"]["kv_demand_ratio"] or 0 for r in sink.reports), default=0
     )
     print(f"{len(sink.reports)} reports; peak KV demand/capacity {peak:.2f}")
+    return sink.reports
 
 
 def cli() -> None:
