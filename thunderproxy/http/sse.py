@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..errors import ThunderproxyError
 from ..programs import StepUsage
+from .errors import sse_error_event
+
+if TYPE_CHECKING:
+    from ..gateway import Call
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 
@@ -84,3 +89,19 @@ class UsageTap:
                 self.usage = usage
                 return payload.get("choices") == []
         return False
+
+
+class OpenAIWire:
+    """Chat and text completions (OpenAI's API as vLLM and SGLang serve it)."""
+
+    def tap(self, call: Call) -> UsageTap:
+        return UsageTap(hide_usage_chunk=call.hide_usage)
+
+    def usage_from_body(self, body: bytes) -> StepUsage | None:
+        return usage_from(json.loads(body))
+
+    def error_event(self, error: ThunderproxyError) -> bytes:
+        return sse_error_event(error)
+
+
+OPENAI = OpenAIWire()
