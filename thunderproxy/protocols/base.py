@@ -268,6 +268,8 @@ class SseTap:
         self.max_event_bytes = max_event_bytes
         self.error: str | None = None
         self.content_started = False
+        #: Responses only: the id a later ``previous_response_id`` names.
+        self.response_id: str | None = None
         self._usage: Usage | None = None
         self._buffer = bytearray()
         self._scan_from = 0  # boundaries before this offset of _buffer were already searched
@@ -322,6 +324,10 @@ class SseTap:
         held = bytes(self._buffer)
         self._buffer.clear()
         return bytes(kept) + held if self.hide else chunk
+
+    def answer(self) -> Any:
+        """The streamed answer in the shape ``ProgramRecognizer.observe_answer`` takes."""
+        raise NotImplementedError
 
     def _inspect(self, raw: bytes) -> bool:
         if not raw.strip():

@@ -107,7 +107,6 @@ class ResponsesTap(SseTap):
 
     def __init__(self, *, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         super().__init__(hide=False, max_event_bytes=max_event_bytes)
-        self.response_id: str | None = None
         self._output: list[Any] = []
 
     def answer(self) -> list[Any]:
