@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from werkzeug.datastructures import Headers
 
 from thunderproxy.errors import InvalidRequest
 from thunderproxy.programs.recognition import (
@@ -508,3 +509,9 @@ def test_config_refuses_bounds_that_would_disable_tracking_silently() -> None:
     with pytest.raises(ValueError, match="max_heads"):
         RecognitionConfig(max_heads=0)
     assert replace(RecognitionConfig(), prefix=False).max_heads > 0
+
+
+def test_request_headers_of_the_web_framework_are_read_in_any_case() -> None:
+    headers = Headers([("X-CLAUDE-CODE-SESSION-ID", SESSION_UUID)])
+    found = recognizer().recognise(Protocol.MESSAGES, anthropic_request(["hi"]), headers, 0.0)
+    assert found.source is Source.CLAUDE_CODE

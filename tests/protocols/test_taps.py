@@ -294,3 +294,9 @@ def test_usage_from_non_streamed_bodies() -> None:
     assert usage is None
     assert problem is not None
     assert "negative" in problem
+
+
+def test_a_null_error_field_is_no_error() -> None:
+    tap = ChatTap(hide_usage_chunk=False)
+    run(tap, [sse({**chunk({"content": "x"}), "error": None})])
+    assert tap.error is None

@@ -36,9 +36,10 @@ import json
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+from typing import Protocol as TypingProtocol
 
 from ..errors import InvalidRequest
 from ..protocols import Protocol, answer_elements, chain_elements
@@ -48,6 +49,12 @@ MAX_PROGRAM_ID_CHARS = 256
 #: A client's own id longer than this is replaced by its hash (the source prefix is kept).
 _MAX_CLIENT_ID_CHARS = 200
 _LEGACY_USER_ID = re.compile(r"_session_([0-9A-Za-z-]+)$")
+
+
+class HeaderItems(TypingProtocol):
+    """Request headers: a dict, or werkzeug's ``Headers`` (names in any case)."""
+
+    def items(self) -> Iterable[tuple[str, str]]: ...
 
 
 class Source(enum.StrEnum):
@@ -123,7 +130,7 @@ def chain(protocol: Protocol, elements: list[Any]) -> list[bytes]:
     return links
 
 
-def _lower(headers: Mapping[str, str]) -> dict[str, str]:
+def _lower(headers: HeaderItems) -> dict[str, str]:
     return {name.lower(): value for name, value in headers.items()}
 
 
@@ -143,7 +150,7 @@ def _named(prefix: str, value: str) -> str:
     return f"{prefix}:{value}"
 
 
-def explicit_program_id(body: dict[str, Any], headers: Mapping[str, str]) -> str | None:
+def explicit_program_id(body: dict[str, Any], headers: HeaderItems) -> str | None:
     """The program id the client named, from the body, ``extra_body`` or ``X-Program-Id`` (in
     that order); InvalidRequest if it is not a usable id."""
     found: list[Any] = []
@@ -222,7 +229,7 @@ class ProgramRecognizer:
         return len(self._responses)
 
     def recognise(
-        self, protocol: Protocol, body: dict[str, Any], headers: Mapping[str, str], now: float
+        self, protocol: Protocol, body: dict[str, Any], headers: HeaderItems, now: float
     ) -> Recognised:
         """The program of this request and the source that named it (see the module docstring
         for the order). Raises InvalidRequest only for a malformed explicit ``program_id``."""

@@ -151,8 +151,8 @@ class ChatTap(SseTap):
         payload = json_data(event)
         if payload is None:
             return False
-        if "error" in payload:
-            error = payload["error"]
+        error = payload.get("error")
+        if error:
             message = error.get("message") if isinstance(error, dict) else error
             self.error = str(message)
         choices = payload.get("choices")
