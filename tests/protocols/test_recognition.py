@@ -515,3 +515,17 @@ def test_request_headers_of_the_web_framework_are_read_in_any_case() -> None:
     headers = Headers([("X-CLAUDE-CODE-SESSION-ID", SESSION_UUID)])
     found = recognizer().recognise(Protocol.MESSAGES, anthropic_request(["hi"]), headers, 0.0)
     assert found.source is Source.CLAUDE_CODE
+
+
+def test_only_calls_tied_by_their_prompt_need_their_answer_observed() -> None:
+    assert Recognised("auto-1", Source.NEW).by_prompt
+    assert Recognised("p", Source.PREFIX).by_prompt
+    assert not Recognised("p", Source.EXPLICIT).by_prompt
+    assert not Recognised("default", Source.DEFAULT).by_prompt
+
+
+def test_a_stateless_previous_response_is_not_a_whole_prompt() -> None:
+    r = recognizer()
+    body = {"input": [{"role": "user", "content": "more"}], "previous_response": {"id": "r"}}
+    r.observe_answer("p", Protocol.RESPONSES, body, "ok", 0.0)
+    assert r.tracked_heads == 0

@@ -108,6 +108,12 @@ class Recognised:
     program_id: str
     source: Source
 
+    @property
+    def by_prompt(self) -> bool:
+        """Whether only the prompt ties this call to its program, so the next call can only be
+        recognised if this one's answer is observed (``observe_answer``)."""
+        return self.source in (Source.PREFIX, Source.NEW)
+
 
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
@@ -336,8 +342,10 @@ class ProgramRecognizer:
         Responses output items); the taps' ``answer()`` and ``answer_from_body`` give it."""
         if not self.config.prefix:
             return
-        if protocol is Protocol.RESPONSES and request_body.get("previous_response_id"):
-            return  # its input is only the new items: the response id carries the chain
+        if protocol is Protocol.RESPONSES and (
+            request_body.get("previous_response_id") or request_body.get("previous_response")
+        ):
+            return  # its input is only the new items: the earlier response carries the chain
         prompt = chain_elements(protocol, request_body)
         added = answer_elements(protocol, answer)
         if not prompt or not added:
