@@ -300,3 +300,47 @@ def test_a_null_error_field_is_no_error() -> None:
     tap = ChatTap(hide_usage_chunk=False)
     run(tap, [sse({**chunk({"content": "x"}), "error": None})])
     assert tap.error is None
+
+
+def test_usage_read_before_an_over_long_event_is_not_reported_as_the_whole() -> None:
+    events = messages_events()
+    events.insert(
+        3,
+        sse(
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": "z" * 500},
+            }
+        ),
+    )
+    tap = MessagesTap(max_event_bytes=300)
+    assert run(tap, events) == b"".join(events)
+    assert tap.usage is None
+    assert tap.error is not None
+
+
+@settings(max_examples=150, deadline=None)
+@given(cuts=cuts, cap=st.integers(min_value=40, max_value=1500), hide=st.booleans())
+def test_whatever_the_cap_and_split_the_client_gets_the_stream(
+    cuts: list[int], cap: int, hide: bool
+) -> None:
+    events = chat_events()
+    events.insert(2, sse(chunk({"content": "w" * 700})))
+    stream = b"".join(events)
+    tap = ChatTap(hide_usage_chunk=hide, max_event_bytes=cap)
+    out = run(tap, split(stream, cuts))
+    overflowed = tap.error is not None
+    assert overflowed == (cap < max(len(e) - 2 for e in events))  # an event, less its blank line
+    if hide and not overflowed:
+        assert out == b"".join(e for e in events if b'"usage"' not in e)
+    else:
+        assert out == stream  # the usage chunk comes after the long event: relayed as it is
+    assert (tap.usage is None) == overflowed
+
+
+def test_a_trailing_event_past_the_cap_is_relayed_unread() -> None:
+    tail = b"data: " + b"v" * 96  # 102 bytes, and the stream ends without a blank line
+    tap = ChatTap(hide_usage_chunk=True, max_event_bytes=100)
+    assert run(tap, [tail]) == tail
+    assert tap.error is not None

@@ -290,6 +290,8 @@ class SseTap:
             match = _EVENT_END.search(self._buffer, max(start, self._scan_from - _BOUNDARY_OVERLAP))
             if match is None:
                 break
+            if match.start() - start > self.max_event_bytes:
+                return self._overflow(kept, chunk, start)
             raw = bytes(self._buffer[start : match.start()])
             hidden = self._inspect(raw)
             if self.hide and not hidden:
@@ -299,8 +301,9 @@ class SseTap:
             # Only this chunk's trailing partial event is copied: each byte at most once.
             del self._buffer[:start]
         self._scan_from = len(self._buffer)
-        if len(self._buffer) > self.max_event_bytes:
-            return self._overflow(kept, chunk)
+        # The partial event may hold up to 3 bytes of its closing blank line.
+        if len(self._buffer) > self.max_event_bytes + _BOUNDARY_OVERLAP:
+            return self._overflow(kept, chunk, 0)
         return bytes(kept) if self.hide else chunk
 
     def flush(self) -> bytes:
@@ -310,20 +313,31 @@ class SseTap:
         self._scan_from = 0
         if not rest:
             return b""
+        if len(rest.rstrip(b"\r\n")) > self.max_event_bytes:
+            self._give_up()
+            return rest if self.hide else b""
         hidden = self._inspect(rest)
         if not self.hide or hidden:
             return b""  # already forwarded as it arrived, or an event the client must not see
         return rest
 
-    def _overflow(self, kept: bytearray, chunk: bytes) -> bytes:
-        self._overflowed = True
-        self.error = (
-            f"an upstream SSE event grew past {self.max_event_bytes} bytes without ending; the "
-            "proxy stopped reading this stream (its usage is unknown) and relays it unchanged"
-        )
-        held = bytes(self._buffer)
+    def _overflow(self, kept: bytearray, chunk: bytes, start: int) -> bytes:
+        """The event at ``start`` of the buffer is too long: everything not yet forwarded goes
+        out as it is, and so does the rest of the stream."""
+        self._give_up()
+        held = bytes(self._buffer[start:])
         self._buffer.clear()
         return bytes(kept) + held if self.hide else chunk
+
+    def _give_up(self) -> None:
+        self._overflowed = True
+        # What was read before is only part of the call's usage: report none rather than part.
+        self._usage = None
+        self._refused = True
+        self.error = (
+            f"an upstream SSE event grew past {self.max_event_bytes} bytes; the proxy stopped "
+            "reading this stream (its usage is unknown) and relays it unchanged"
+        )
 
     def answer(self) -> Any:
         """The streamed answer in the shape ``ProgramRecognizer.observe_answer`` takes."""
