@@ -529,3 +529,30 @@ def test_a_stateless_previous_response_is_not_a_whole_prompt() -> None:
     body = {"input": [{"role": "user", "content": "more"}], "previous_response": {"id": "r"}}
     r.observe_answer("p", Protocol.RESPONSES, body, "ok", 0.0)
     assert r.tracked_heads == 0
+
+
+def test_recognising_hashes_each_byte_of_the_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twice the history costs twice the hashing, not four times: links are chained, never
+    recomputed from the start."""
+    from thunderproxy.programs import recognition
+
+    hashed = 0
+    real = recognition._digest
+
+    def counting(data: bytes) -> bytes:
+        nonlocal hashed
+        hashed += len(data)
+        return real(data)
+
+    monkeypatch.setattr(recognition, "_digest", counting)
+
+    def cost(turns: int) -> int:
+        nonlocal hashed
+        agent = ChatAgent("t")
+        for turn in range(turns):
+            agent.continue_with(agent.answer(turn), turn)
+        hashed = 0
+        recognizer().recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+        return hashed
+
+    assert cost(200) <= 2.1 * cost(100)
