@@ -556,3 +556,10 @@ def test_recognising_hashes_each_byte_of_the_prompt_once(monkeypatch: pytest.Mon
         return hashed
 
     assert cost(200) <= 2.1 * cost(100)
+
+
+def test_a_response_without_an_id_is_not_remembered() -> None:
+    r = recognizer()
+    r.remember_response(None, "p", 0.0)
+    r.remember_response("", "p", 0.0)
+    assert r.tracked_responses == 0

@@ -362,9 +362,10 @@ class ProgramRecognizer:
             if self._head_of.get(old_program) == old:
                 del self._head_of[old_program]
 
-    def remember_response(self, response_id: str, program_id: str, now: float) -> None:
-        """A Responses answer's id (from ``response.completed`` or the body's ``id``): a later
-        ``previous_response_id`` naming it continues ``program_id``."""
+    def remember_response(self, response_id: str | None, program_id: str, now: float) -> None:
+        """A Responses answer's id (the tap's ``response_id``, or ``response_id_from_body``): a
+        later ``previous_response_id`` naming it continues ``program_id``. None (no id seen) is
+        ignored."""
         if not self.config.previous_response or not response_id:
             return
         self._responses[response_id] = (program_id, now)

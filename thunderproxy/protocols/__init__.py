@@ -28,7 +28,7 @@ from .base import (
     sse_error_event,
 )
 from .openai_chat import ChatTap
-from .responses import ResponsesTap
+from .responses import ResponsesTap, response_id_from_body
 
 #: The scheduled routes: each call through them is one step of a program.
 ROUTES: dict[str, Protocol] = {
@@ -131,6 +131,7 @@ __all__ = [
     "new_tap",
     "prepare",
     "read_usage",
+    "response_id_from_body",
     "sse_error_event",
     "usage_from_body",
 ]
