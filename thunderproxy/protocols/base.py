@@ -270,15 +270,11 @@ class SseTap:
         self.content_started = False
         #: Responses only: the id a later ``previous_response_id`` names.
         self.response_id: str | None = None
-        self._usage: Usage | None = None
+        self.usage: Usage | None = None
         self._buffer = bytearray()
         self._scan_from = 0  # boundaries before this offset of _buffer were already searched
         self._overflowed = False
         self._refused = False
-
-    @property
-    def usage(self) -> Usage | None:
-        return self._usage
 
     def feed(self, chunk: bytes) -> bytes:
         if self._overflowed:
@@ -332,7 +328,7 @@ class SseTap:
     def _give_up(self) -> None:
         self._overflowed = True
         # What was read before is only part of the call's usage: report none rather than part.
-        self._usage = None
+        self.usage = None
         self._refused = True
         self.error = (
             f"an upstream SSE event grew past {self.max_event_bytes} bytes; the proxy stopped "
@@ -359,7 +355,7 @@ class SseTap:
             return  # one negative report makes the whole call's usage unknown
         if error is not None:
             self.error = error
-            self._usage = None
+            self.usage = None
             self._refused = True
         elif usage is not None:
-            self._usage = usage
+            self.usage = usage

@@ -12,7 +12,7 @@ import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import trio
@@ -165,8 +165,13 @@ class Engine:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         priority: int = 0,
+        script: Sequence[tuple[int, str]] | None = None,
     ) -> RequestHandle:
-        """Queue a request; `output_tokens` fixes where it stops (EOS included)."""
+        """Queue a request; `output_tokens` fixes where it stops (EOS included).
+
+        `script` is (id, text) pairs the model generates first (a tool call's markup and
+        arguments); by default the request then stops with EOS right after it.
+        """
         if self.dead:
             raise EngineDeadError(
                 "EngineCore encountered an issue. See stack trace for the root cause."
@@ -180,14 +185,24 @@ class Engine:
             request_id = f"{self._ids.getrandbits(64):016x}"
         while request_id in self.handles:  # vLLM keeps ids unique internally as well
             request_id = f"{request_id}-{self._ids.getrandbits(16):04x}"
+        if script is not None and output_tokens is None:
+            output_tokens = len(script) + 1
         stop_at = self._plan_length(request_id, max_tokens, output_tokens, ignore_eos, min_tokens)
         generator = TextGenerator(self.tokenizer, self.config.seed, request_id)
+        sampler: Callable[[], tuple[int, str]] = generator.next_token
+        if script:
+            scripted = iter(script)
+
+            def scripted_sampler() -> tuple[int, str]:
+                return next(scripted, None) or generator.next_token()
+
+            sampler = scripted_sampler
         request = SimRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             max_tokens=max_tokens,
             arrival_time=self.now(),
-            sampler=generator.next_token,
+            sampler=sampler,
             stop_at=stop_at,
             eos_token_id=self.tokenizer.eos_id,
             program=program,
