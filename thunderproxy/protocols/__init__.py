@@ -13,8 +13,10 @@ no I/O, so the gateway calls it with bytes and JSON it already has:
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
 
+from ..errors import ThunderproxyError, describe
 from . import anthropic, openai_chat, responses
 from .anthropic import MessagesTap
 from .base import (
@@ -29,6 +31,9 @@ from .base import (
 )
 from .openai_chat import ChatTap
 from .responses import ResponsesTap, response_id_from_body
+
+if TYPE_CHECKING:
+    from ..gateway import Call
 
 #: The scheduled routes: each call through them is one step of a program.
 ROUTES: dict[str, Protocol] = {
@@ -54,15 +59,50 @@ def prepare(protocol: Protocol, body: dict[str, Any]) -> Prepared:
     return responses.prepare_responses(body)
 
 
-def new_tap(prepared: Prepared, *, collect_answer: bool = False) -> SseTap:
-    """The stream tap for a prepared call. ``collect_answer`` rebuilds the answer for
+def tap_for(
+    protocol: Protocol, *, hide_usage: bool = False, collect_answer: bool = False
+) -> SseTap:
+    """The stream tap of ``protocol``. ``hide_usage`` (chat and completions) removes the usage
+    chunk the client did not ask for; ``collect_answer`` rebuilds the answer for
     ``observe_answer`` (Responses answers come whole in their final event either way)."""
-    protocol = prepared.protocol
     if protocol in (Protocol.CHAT, Protocol.COMPLETIONS):
-        return ChatTap(hide_usage_chunk=prepared.hide_usage, collect_answer=collect_answer)
+        return ChatTap(hide_usage_chunk=hide_usage, collect_answer=collect_answer)
     if protocol is Protocol.MESSAGES:
         return MessagesTap(collect_answer=collect_answer)
     return ResponsesTap()
+
+
+def new_tap(prepared: Prepared, *, collect_answer: bool = False) -> SseTap:
+    """The stream tap for a prepared call."""
+    return tap_for(prepared.protocol, hide_usage=prepared.hide_usage, collect_answer=collect_answer)
+
+
+class ProtocolWire:
+    """The gateway's ``Wire`` for one call of any protocol (``Call.wire``).
+
+    Make one per call: it keeps the tap it hands the gateway, so that once the stream is over
+    the edge can read what the gateway does not need: ``answer()`` for ``observe_answer`` and
+    ``response_id`` for ``remember_response``.
+    """
+
+    def __init__(self, protocol: Protocol, *, collect_answer: bool = False) -> None:
+        self.protocol = protocol
+        self.collect_answer = collect_answer
+        self.last_tap: SseTap | None = None
+
+    def tap(self, call: Call) -> SseTap:
+        self.last_tap = tap_for(
+            self.protocol, hide_usage=call.hide_usage, collect_answer=self.collect_answer
+        )
+        return self.last_tap
+
+    def usage_from_body(self, body: bytes) -> Usage | None:
+        """Usage of a whole answer; raises ValueError if the body is not JSON."""
+        return usage_from_body(self.protocol, json.loads(body))
+
+    def error_event(self, error: ThunderproxyError) -> bytes:
+        status, error_type = describe(error)
+        return sse_error_event(self.protocol, status, error_type, error.message, param=error.param)
 
 
 def read_usage(protocol: Protocol, payload: Any) -> tuple[Usage | None, str | None]:
@@ -118,6 +158,7 @@ __all__ = [
     "ROUTES",
     "UNSCHEDULED_ROUTES",
     "ChatTap",
+    "ProtocolWire",
     "MessagesTap",
     "Prepared",
     "Protocol",
@@ -133,5 +174,12 @@ __all__ = [
     "read_usage",
     "response_id_from_body",
     "sse_error_event",
+    "tap_for",
     "usage_from_body",
 ]
+
+if TYPE_CHECKING:
+    from ..gateway import Wire
+
+    # Never run: it makes the type checker prove that ProtocolWire is the gateway's Wire.
+    _WIRE: Wire = ProtocolWire(Protocol.CHAT)
