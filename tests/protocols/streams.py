@@ -55,7 +55,11 @@ CHAT_ANSWER = {
     "role": "assistant",
     "content": "Let me look.",
     "tool_calls": [
-        {"type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+        }
     ],
 }
 

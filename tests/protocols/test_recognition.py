@@ -21,7 +21,7 @@ from thunderproxy.programs.recognition import (
     claude_code_session,
     without_program_id,
 )
-from thunderproxy.protocols import ChatTap, MessagesTap, Protocol, ResponsesTap
+from thunderproxy.protocols import ChatTap, MessagesTap, Protocol, ResponsesTap, chain_elements
 
 from .streams import chat_events, messages_events, responses_events
 
@@ -563,3 +563,40 @@ def test_a_response_without_an_id_is_not_remembered() -> None:
     r.remember_response(None, "p", 0.0)
     r.remember_response("", "p", 0.0)
     assert r.tracked_responses == 0
+
+
+def test_tool_calls_match_by_id_whatever_their_arguments_became() -> None:
+    """Cut off at max_tokens, a tool call's input is not valid JSON; each SDK echoes its own
+    reading of it (the Python SDK sends {}). The id, which the client must send back, decides."""
+    r = recognizer()
+    request = anthropic_request(["Run the tests."])
+    found = r.recognise(Protocol.MESSAGES, request, {}, 0.0)
+    truncated = {
+        "role": "assistant",
+        "content": [
+            {"type": "tool_use", "id": "toolu_9", "name": "bash", "input": '{"command": "pyt'}
+        ],
+    }
+    r.observe_answer(found.program_id, Protocol.MESSAGES, request, truncated, 1.0)
+    echoed = {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "toolu_9", "name": "bash", "input": {}}],
+    }
+    result = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}],
+    }
+    follow = {**request, "messages": request["messages"] + [echoed, result]}
+    assert r.recognise(Protocol.MESSAGES, follow, {}, 2.0) == Recognised(
+        found.program_id, Source.PREFIX
+    )
+
+
+def test_without_ids_tool_calls_match_by_their_arguments_as_values() -> None:
+    def with_call(arguments: str) -> dict[str, Any]:
+        call = {"type": "function", "function": {"name": "ls", "arguments": arguments}}
+        return chat_request(["x"]) | {"messages": [{"role": "assistant", "tool_calls": [call]}]}
+
+    same = chain_elements(Protocol.CHAT, with_call('{"a": 1, "b": [2]}'))
+    assert chain_elements(Protocol.CHAT, with_call('{"b":[2],"a":1}')) == same
+    assert chain_elements(Protocol.CHAT, with_call('{"a": 2, "b": [2]}')) != same

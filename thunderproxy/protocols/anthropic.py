@@ -30,7 +30,7 @@ from .base import (
     schema_chars,
     text_chars,
 )
-from .openai_chat import canonical_arguments, content_parts
+from .openai_chat import canonical_arguments, content_parts, tool_call_value
 
 #: Claude Code puts a per-request billing hash in a system block that starts with this; it would
 #: make every request look new, so it is not part of the prompt's identity (vLLM drops it too).
@@ -222,7 +222,10 @@ def _block_value(block: Any) -> Any:
     if kind in ("thinking", "redacted_thinking"):
         return None
     if kind == "tool_use":
-        return ["tool_use", block.get("name"), canonical_arguments(block.get("input"))]
+        return [
+            "tool_use",
+            *tool_call_value(block.get("name"), block.get("id"), block.get("input")),
+        ]
     if kind == "tool_result":
         return ["tool_result", content_parts(block.get("content"))]
     return {k: v for k, v in block.items() if k not in ("cache_control", "id")}

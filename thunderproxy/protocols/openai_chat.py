@@ -127,6 +127,7 @@ class ChatTap(SseTap):
         self.hide_usage_chunk = hide_usage_chunk
         self.collect_answer = collect_answer
         self._text: list[str] = []
+        # Per tool-call index: its id, and the function's name and arguments as streamed.
         self._calls: dict[int, dict[str, Any]] = {}
 
     def answer(self) -> dict[str, Any]:
@@ -134,7 +135,12 @@ class ChatTap(SseTap):
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self._text)}
         if self._calls:
             message["tool_calls"] = [
-                {"type": "function", "function": call} for _, call in sorted(self._calls.items())
+                {
+                    "id": slot.get("id"),
+                    "type": "function",
+                    "function": {k: v for k, v in slot.items() if k != "id"},
+                }
+                for _, slot in sorted(self._calls.items())
             ]
         return message
 
@@ -187,6 +193,8 @@ class ChatTap(SseTap):
                 continue
             index = call.get("index", 0)
             slot = self._calls.setdefault(index if isinstance(index, int) else 0, {})
+            if isinstance(call.get("id"), str) and call["id"]:
+                slot["id"] = call["id"]
             function = call.get("function")
             if not isinstance(function, dict):
                 continue
@@ -231,9 +239,19 @@ def content_parts(content: Any) -> list[Any]:
     return parts
 
 
+def tool_call_value(name: Any, call_id: Any, arguments: Any) -> list[Any]:
+    """A tool call as a comparable value: its name and id. Clients send the id back exactly (the
+    tool's result refers to it) and the server makes it unique, while the arguments may come back
+    re-serialised, or, cut off at the token limit, parsed differently by each SDK. Without an id
+    the arguments stand in."""
+    if isinstance(call_id, str) and call_id:
+        return [name, call_id]
+    return [name, canonical_arguments(arguments)]
+
+
 def message_element(message: Any) -> Any:
     """One chat message as a comparable value. Reasoning is left out: clients do not send it
-    back. Tool-call ids are left out too: only what the model said must match."""
+    back."""
     if not isinstance(message, dict):
         return ["?", message]
     calls = message.get("tool_calls")
@@ -243,7 +261,7 @@ def message_element(message: Any) -> Any:
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict):
                 call_values.append(
-                    [function.get("name"), canonical_arguments(function.get("arguments"))]
+                    tool_call_value(function.get("name"), call.get("id"), function.get("arguments"))
                 )
     return [message.get("role"), content_parts(message.get("content")), call_values]
 

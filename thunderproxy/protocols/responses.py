@@ -27,7 +27,7 @@ from .base import (
     schema_chars,
     text_chars,
 )
-from .openai_chat import canonical_arguments, content_parts
+from .openai_chat import content_parts, tool_call_value
 
 #: Events that carry the whole response, usage included.
 _FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -157,7 +157,8 @@ def item_element(item: Any) -> Any:
     if "role" in item and kind in (None, "message"):
         return [item.get("role"), content_parts(item.get("content"))]
     if kind == "function_call":
-        return ["function_call", item.get("name"), canonical_arguments(item.get("arguments"))]
+        value = tool_call_value(item.get("name"), item.get("call_id"), item.get("arguments"))
+        return ["function_call", *value]
     if kind == "function_call_output":
         return ["function_call_output", content_parts(item.get("output"))]
     return {k: v for k, v in item.items() if k not in ("id", "call_id", "status")}
