@@ -12,6 +12,10 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .snapshot import Statistics
 
 #: Upper bounds (seconds) of the latency buckets: from a cached prefill (milliseconds) to a wait
 #: behind a paused program (minutes). Fixed, so histograms from different runs add up.
@@ -137,3 +141,42 @@ class ProxyStatistics:
         object.__setattr__(self, "programs_by_state", _frozen(self.programs_by_state))
         object.__setattr__(self, "steps_by_status", _frozen(self.steps_by_status))
         object.__setattr__(self, "histograms", MappingProxyType(dict(self.histograms)))
+
+
+def from_snapshot(
+    snapshot: Statistics,
+    *,
+    steps_by_status: Mapping[str, int] | None = None,
+    pauses: int = 0,
+    resumes: int = 0,
+    histograms: Mapping[str, HistogramSnapshot] | None = None,
+) -> ProxyStatistics:
+    """The Prometheus view of the proxy's one snapshot, plus the counters the snapshot does not
+    carry (the core counts steps, pauses and resumes as they happen). KV tokens in use are the
+    backend's reported fraction of its capacity; unknown when either is."""
+    backends = []
+    for backend in snapshot.backends:
+        engine = backend.engine
+        capacity = backend.capacity_tokens
+        used = None
+        if engine is not None and engine.kv_usage is not None and capacity is not None:
+            used = round(engine.kv_usage * capacity)
+        backends.append(
+            BackendStatistics(
+                url=backend.url,
+                healthy=backend.healthy,
+                kv_capacity_tokens=capacity,
+                kv_used_tokens=used,
+                in_flight=backend.in_flight,
+            )
+        )
+    return ProxyStatistics(
+        programs_by_state={status.value: n for status, n in snapshot.by_status.items()},
+        backends=tuple(backends),
+        steps_by_status=steps_by_status or {},
+        pauses=pauses,
+        resumes=resumes,
+        audit_rows_written=snapshot.audit.written,
+        audit_rows_dropped=snapshot.audit.dropped,
+        histograms=histograms if histograms is not None else Histograms().snapshot(),
+    )

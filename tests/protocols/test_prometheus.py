@@ -10,12 +10,18 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from thunderproxy import snapshot as snapshot_module
+from thunderproxy.audit.writer import AuditStatistics
+from thunderproxy.backends.metrics import EngineSnapshot
 from thunderproxy.http.prometheus import CONTENT_TYPE, PROMETHEUS_PATH, render, wants_prometheus
+from thunderproxy.programs import ProgramStatus
+from thunderproxy.programs.registry import BackendLoad
 from thunderproxy.statistics import (
     LATENCY_BUCKETS,
     BackendStatistics,
     Histograms,
     ProxyStatistics,
+    from_snapshot,
 )
 
 
@@ -180,3 +186,48 @@ def test_wants_prometheus(accept: str | None, path: str, expected: bool) -> None
 
 def test_content_type_is_the_text_format() -> None:
     assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")
+
+
+def test_the_proxys_snapshot_becomes_the_prometheus_view() -> None:
+    engine = EngineSnapshot(
+        flavour="vllm",
+        engines=1,
+        capacity_tokens=200_000,
+        block_size=16,
+        num_gpu_blocks=12_500,
+        kv_usage=0.25,
+        running=3,
+        waiting=0,
+        prefix_queries_total=None,
+        prefix_hits_total=None,
+        preemptions_total=None,
+    )
+
+    def backend(url: str, engine: EngineSnapshot | None) -> snapshot_module.BackendStatistics:
+        return snapshot_module.BackendStatistics(
+            url=url,
+            healthy=engine is not None,
+            last_error=None,
+            in_flight=2,
+            models=None,
+            engine=engine,
+            load=BackendLoad(),
+        )
+
+    stats = snapshot_module.Statistics(
+        router="tr",
+        programs=4,
+        by_status={ProgramStatus.REASONING: 1, ProgramStatus.PAUSED: 3},
+        backends=(backend("http://a", engine), backend("http://b", None)),
+        served_models=("m",),
+        audit=AuditStatistics(accepted=10, written=9, dropped=1, queued=0, batches=2),
+    )
+    view = from_snapshot(stats, steps_by_status={"200": 7}, pauses=3, resumes=1)
+    got = samples(render(view))
+    assert got[("thunderproxy_programs", (("state", "paused"),))] == 3
+    assert got[("thunderproxy_backend_kv_used_tokens", (("backend", "http://a"),))] == 50_000
+    assert ("thunderproxy_backend_kv_used_tokens", (("backend", "http://b"),)) not in got
+    assert got[("thunderproxy_backend_healthy", (("backend", "http://b"),))] == 0
+    assert got[("thunderproxy_audit_rows_dropped_total", ())] == 1
+    assert got[("thunderproxy_steps_total", (("status", "200"),))] == 7
+    assert got[("thunderproxy_pauses_total", ())] == 3
