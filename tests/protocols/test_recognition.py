@@ -9,6 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from werkzeug.datastructures import Headers
 
 from thunderproxy.errors import InvalidRequest
@@ -600,3 +602,35 @@ def test_without_ids_tool_calls_match_by_their_arguments_as_values() -> None:
     same = chain_elements(Protocol.CHAT, with_call('{"a": 1, "b": [2]}'))
     assert chain_elements(Protocol.CHAT, with_call('{"b":[2],"a":1}')) == same
     assert chain_elements(Protocol.CHAT, with_call('{"a": 2, "b": [2]}')) != same
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tasks=st.integers(min_value=2, max_value=6),
+    order=st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=40),
+    same_task=st.booleans(),
+)
+def test_no_interleaving_ever_merges_two_agents(
+    tasks: int, order: list[int], same_task: bool
+) -> None:
+    """Any order of turns; with ``same_task`` every agent even starts from the very same
+    messages (parallel samples), so only the answers tell them apart."""
+    r = recognizer()
+    agents = [ChatAgent("one task" if same_task else f"task {i}") for i in range(tasks)]
+    programs: dict[int, str] = {}
+    turns = dict.fromkeys(range(tasks), 0)
+    for now, pick in enumerate(order):
+        i = pick % tasks
+        agent = agents[i]
+        found = r.recognise(Protocol.CHAT, agent.request(), {}, float(now))
+        if i in programs:
+            assert found == Recognised(programs[i], Source.PREFIX)
+        else:
+            assert found.source is Source.NEW
+            assert found.program_id not in programs.values()
+            programs[i] = found.program_id
+        answer = agent.answer(turns[i])
+        answer["tool_calls"][0]["id"] += f"-{i}"  # the server gives every call its own id
+        r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), answer, float(now))
+        agent.continue_with(answer, turns[i])
+        turns[i] += 1
