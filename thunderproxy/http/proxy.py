@@ -7,7 +7,7 @@ end, backend error, client gone, proxy stopping) it is closed and recorded exact
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from typing import Any
 
@@ -256,7 +256,7 @@ async def read_bounded(response: UpstreamResponse, read_timeout: float) -> bytes
     return bytes(body)
 
 
-async def relay(response: UpstreamResponse, read_timeout: float) -> AsyncIterator[bytes]:
+async def relay(response: UpstreamResponse, read_timeout: float) -> AsyncGenerator[bytes, None]:
     """A passthrough body, chunk by chunk; a backend gone silent past ``read_timeout`` ends it."""
     chunks = response.aiter_raw()
     while True:
