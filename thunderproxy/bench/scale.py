@@ -161,7 +161,7 @@ async def measure(counts: list[int], rounds: int, calls: int, router: str) -> li
 async def scheduler_cost(n: int, calls: int, router: str) -> float:
     """Microseconds of one lease and close by the real scheduler (no HTTP, no backend) with
     ``n`` idle programs tracked: the part of a call's cost that could grow with them."""
-    send, _receive = trio.open_memory_channel[AuditRecord](math.inf)
+    send, receive = trio.open_memory_channel[AuditRecord](math.inf)
     audit = AuditLog(send, run_id=0)
     pool = BackendPool()
     node = pool.attach("http://capacity.invalid", _NeverSent())
@@ -171,15 +171,33 @@ async def scheduler_cost(n: int, calls: int, router: str) -> float:
         policy=policy_named(router, PolicyConfig()), registry=registry, pool=pool, audit=audit
     )
     populate_registry(registry, node.url, n, trio.current_time())
+    drain(receive)
+    gc.collect()
     route = pool.route(None)
     usage = StepUsage(prompt_tokens=100, completion_tokens=1, cached_tokens=0)
-    began = time.perf_counter()
-    for i in range(calls):
-        lease = await scheduler.lease(
-            f"live-{i % LIVE_PROGRAMS}", route, arrived_at=trio.current_time(), context_chars=400
-        )
-        scheduler.close(lease, usage, reason="response complete")
-    return (time.perf_counter() - began) / calls * 1e6
+    # The best of several runs: on a shared machine the others only add what other work cost.
+    best = math.inf
+    for _ in range(5):
+        began = time.perf_counter()
+        for i in range(calls):
+            lease = await scheduler.lease(
+                f"live-{i % LIVE_PROGRAMS}",
+                route,
+                arrived_at=trio.current_time(),
+                context_chars=400,
+            )
+            scheduler.close(lease, usage, reason="response complete")
+            drain(receive)  # the records leave, as they do to the writer
+        best = min(best, (time.perf_counter() - began) / calls * 1e6)
+    return best
+
+
+def drain(receive: trio.MemoryReceiveChannel[AuditRecord]) -> None:
+    while True:
+        try:
+            receive.receive_nowait()
+        except trio.WouldBlock:
+            return
 
 
 class _NeverSent:
@@ -235,8 +253,8 @@ def main(programs: str, rounds: int, calls: int, router: str, json_path: str | N
     counts = [0, *(int(n) for n in programs.split(",") if n.strip())]
     click.echo("scheduler alone (lease + close, in-process):")
     for n in counts:
-        cost = trio.run(scheduler_cost, n, 2_000, router)
-        click.echo(f"  {n:>7,} idle programs: {cost:8.1f} µs per call")
+        cost = trio.run(scheduler_cost, n, 1_000, router)
+        click.echo(f"  {n:>7,} idle programs: {cost:8.1f} µs per call (best of 5)")
     targets = trio.run(measure, counts, rounds, calls, router)
     result = report(targets)
     columns = list(result["rows"][0])
