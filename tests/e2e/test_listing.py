@@ -3,6 +3,7 @@ number of programs tracked."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,12 +34,7 @@ def walk(registry: ProgramRegistry, query: ProgramQuery) -> list[str]:
         ids += [p.program_id for p in found.programs]
         if found.next_cursor is None:
             return ids
-        query = ProgramQuery(
-            limit=query.limit,
-            after=int(found.next_cursor),
-            state=query.state,
-            backend=query.backend,
-        )
+        query = dataclasses.replace(query, after=int(found.next_cursor))
 
 
 def test_pages_cover_every_program_once_in_creation_order() -> None:
@@ -76,6 +72,10 @@ def test_filters_by_backend_and_state() -> None:
     assert walk(registry, ProgramQuery(limit=3, state="acting")) == ["p4"]
     assert len(walk(registry, ProgramQuery(limit=3, state="active"))) == 20
     assert len(walk(registry, ProgramQuery(limit=3, state="reasoning"))) == 19
+    registry.get("p7").model = "llama"
+    registry.get("p12").model = "llama"
+    assert walk(registry, ProgramQuery(limit=1, model="llama")) == ["p7", "p12"]
+    assert walk(registry, ProgramQuery(limit=1, model="llama", backend="http://b")) == ["p12"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,9 @@ async def test_programs_endpoint_pages_with_link_and_cursor_headers(tmp_path: Pa
             url = link[1 : link.index(">")]
             assert "state=acting" in url
         assert seen == [f"prog-{i}" for i in range(5)]
+        by_model = await client.get("/programs", params={"model": model})
+        assert list(by_model.json()) == [f"prog-{i}" for i in range(5)]
+        assert (await client.get("/programs", params={"model": "other"})).json() == {}
         bad = await client.get("/programs?limit=0")
         assert bad.status_code == 400
         assert bad.json()["error"]["param"] == "limit"

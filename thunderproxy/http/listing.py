@@ -1,4 +1,5 @@
-"""``GET /programs`` in pages: ``?limit=``, ``?after=<cursor>``, ``?state=``, ``?backend=``.
+"""``GET /programs`` in pages: ``?limit=``, ``?after=<cursor>``, ``?state=``, ``?backend=``,
+``?model=``.
 
 A page is the seed's shape (an object keyed by program id, in creation order); when more follow,
 the response names the next page in ``Link: <...>; rel="next"`` and ``X-Next-Cursor``. The cursor
@@ -34,9 +35,16 @@ class ProgramQuery:
     after: int | None = None
     state: str | None = None
     backend: str | None = None
+    model: str | None = None
+
+    @property
+    def filtered(self) -> bool:
+        return self.state is not None or self.backend is not None or self.model is not None
 
     def keeps(self, program: Program) -> bool:
         if self.backend is not None and program.backend != self.backend:
+            return False
+        if self.model is not None and program.model != self.model:
             return False
         if self.state is None:
             return True
@@ -76,16 +84,18 @@ def parse_query(args: Mapping[str, str]) -> ProgramQuery:
         raise InvalidRequest(
             f"state must be one of {', '.join(sorted(STATES))}, got {state!r}.", param="state"
         )
-    return ProgramQuery(limit=limit, after=after, state=state, backend=args.get("backend") or None)
+    return ProgramQuery(
+        limit=limit,
+        after=after,
+        state=state,
+        backend=args.get("backend") or None,
+        model=args.get("model") or None,
+    )
 
 
 def page(registry: ProgramRegistry, query: ProgramQuery) -> Page:
     """One page of programs in creation order, with the cursor of the next page."""
-    budget = (
-        query.limit
-        if query.state is None and query.backend is None
-        else (query.limit * SCAN_PER_ITEM)
-    )
+    budget = query.limit * SCAN_PER_ITEM if query.filtered else query.limit
     found: list[Program] = []
     last_seen: int | None = None
     for seq, program in registry.after(query.after):
