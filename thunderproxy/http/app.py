@@ -215,6 +215,7 @@ def create_app(services: Services) -> QuartTrio:
                     for url, load in ((u, loads.get(u, BackendLoad())) for u in services.pool.urls)
                 },
                 "profile_enabled": settings.profile,
+                "audit": scheduler.audit.statistics().as_dict(),
             }
         )
 
@@ -261,12 +262,7 @@ def create_app(services: Services) -> QuartTrio:
                 "metrics_enabled": settings.metrics,
                 "metrics_interval": settings.metrics_interval,
                 "backends": backends,
-                "audit": {
-                    "accepted": stats.accepted,
-                    "written": stats.written,
-                    "dropped": stats.dropped,
-                    "queued": stats.queued,
-                },
+                "audit": stats.as_dict(),
             }
         )
 
