@@ -24,6 +24,7 @@ from ..scheduling import Scheduler, StepLease
 from ..scheduling.scheduler import StepOutcome
 from .errors import sse_error_event, status_for
 from .sse import UsageTap, usage_from
+from .validate import check_identifier, check_identifiers, load_json
 
 DEFAULT_PROGRAM = "default"
 MAX_PROGRAM_ID_CHARS = 256
@@ -82,7 +83,7 @@ def header_safe(value: str) -> str:
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = load_json(raw)
     except UnicodeDecodeError:
         raise InvalidRequest(
             "Request body is not valid UTF-8; send JSON encoded as UTF-8."
@@ -112,6 +113,7 @@ def extract_program_id(body: dict[str, Any], header: str | None) -> str:
     program_id = found[0]
     if not isinstance(program_id, str) or not program_id.strip():
         raise InvalidRequest("program_id must be a non-empty string.", param="program_id")
+    check_identifier(program_id, "program_id")
     if len(program_id) > MAX_PROGRAM_ID_CHARS:
         raise InvalidRequest(
             f"program_id is longer than {MAX_PROGRAM_ID_CHARS} characters.", param="program_id"
@@ -151,6 +153,7 @@ def validate_completion_body(body: dict[str, Any], endpoint: str) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
+    check_identifiers(body)
 
 
 class Step:
