@@ -23,7 +23,7 @@ from ..programs import StepUsage
 from ..scheduling import Scheduler, StepLease
 from ..scheduling.scheduler import StepOutcome
 from .errors import sse_error_event, status_for
-from .sse import UsageTap, usage_from
+from .sse import UsageTap, usage_from_body
 from .validate import check_identifier, check_identifiers, load_json
 
 DEFAULT_PROGRAM = "default"
@@ -236,7 +236,10 @@ class Relay:
                 return self._fail(exc)
             if self.step is not None and self.step.first_token_at is None:
                 self.step.first_token_at = trio.current_time()
-            out = chunk if self.tap is None else self.tap.feed(chunk)
+            try:
+                out = chunk if self.tap is None else self.tap.feed(chunk)
+            except BackendError as exc:  # an event past the tap's size bound
+                return self._fail(exc)
             if out:
                 return out
         raise StopAsyncIteration
@@ -364,10 +367,8 @@ class Proxy:
             await close_upstream(response)
         error = None
         if response.status_code == 200:
-            try:
-                step.usage = usage_from(json.loads(content)) or StepUsage()
-            except ValueError:
-                error = "backend answered 200 with a body that is not JSON"
+            usage, error = usage_from_body(content)
+            step.usage = usage or StepUsage()
         else:
             error = content[:500].decode("utf-8", "replace")
         step.finish(response.status_code, error=error)
