@@ -184,16 +184,24 @@ fillers = st.sampled_from(
     ]
 )
 header_names = st.from_regex(r"\Ax-f-[a-z0-9-]{1,12}\Z")
-header_values = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=30)
+header_values = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=30).map(
+    str.strip
+)
 statuses = st.sampled_from([200, 200, 200, 201, 400, 404, 422, 429, 500, 502, 503]) | st.integers(
     200, 599
 ).filter(lambda s: s not in (204, 205, 304))
 
 
 @st.composite
-def answers(draw: st.DrawFn) -> Answer:
-    stream = draw(st.booleans())
-    if stream:
+def answers(draw: st.DrawFn, *, stream: bool | None = None) -> Answer:
+    """Any answer; with ``stream`` given, mostly one that fits such a request (an SSE stream,
+    or JSON), so that most examples get past the status line into the body."""
+    sse = (
+        draw(st.booleans())
+        if stream is None
+        else draw(st.sampled_from([stream] * 4 + [not stream]))
+    )
+    if sse:
         body = draw(sse_bodies())
         content_type = draw(
             st.sampled_from(["text/event-stream", "text/event-stream; charset=utf-8"])
@@ -216,11 +224,11 @@ def answers(draw: st.DrawFn) -> Answer:
         )
     filler, filler_count = draw(fillers)
     return Answer(
-        status=draw(statuses),
+        status=draw(st.just(200) | statuses),
         content_type=content_type,
         headers=tuple(draw(st.lists(st.tuples(header_names, header_values), max_size=3))),
         pieces=draw(split_anywhere(body)),
         filler=filler,
         filler_count=filler_count,
-        cut=draw(st.booleans()),
+        cut=draw(st.sampled_from([False, False, False, False, True])),
     )

@@ -103,3 +103,35 @@ async def test_refused_at_the_edge_and_the_proxy_keeps_serving(
     await wait_for(lambda: proxy.audit.written >= 1 and proxy.audit.statistics().queued == 0)
     await wait_for(lambda: len(query(tmp_path / "audit.db", "SELECT * FROM rejections")) == 1)
     assert proxy.audit.dropped == 0
+
+
+async def test_header_bytes_reach_the_backend_as_sent(
+    proxy: RunningProxy, backend: FakeBackend
+) -> None:
+    headers = [
+        (b"x-note", "Grüße".encode()),  # UTF-8
+        (b"x-legacy", b"caf\xe9"),  # latin-1, not UTF-8
+        (b"x-program-id", "täsk-😀".encode()),
+    ]
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+        r = await client.post("/v1/chat/completions", json={"messages": []}, headers=headers)
+        assert r.status_code == 200, r.text
+        # The server hands values over as latin-1; encoding them back gives the bytes sent.
+        seen = {k.lower(): v.encode("latin-1") for k, v in backend.headers[-1].items()}
+        assert seen["x-note"] == "Grüße".encode()
+        assert seen["x-legacy"] == b"caf\xe9"
+        assert "x-program-id" not in seen
+        assert "täsk-😀" in (await client.get("/programs")).json()
+
+
+async def test_a_program_id_header_that_is_not_utf8_is_refused(
+    proxy: RunningProxy, backend: FakeBackend
+) -> None:
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+        r = await client.post(
+            "/v1/chat/completions", json={"messages": []}, headers=[(b"x-program-id", b"\xff")]
+        )
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "x-program-id"
+        assert "not UTF-8" in r.json()["error"]["message"]
+        assert backend.received == []

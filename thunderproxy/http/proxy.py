@@ -24,7 +24,7 @@ from ..scheduling import Scheduler, StepLease
 from ..scheduling.scheduler import StepOutcome
 from .errors import sse_error_event, status_for
 from .sse import UsageTap, usage_from_body
-from .validate import check_identifier, check_identifiers, load_json
+from .validate import check_identifier, check_identifiers, header_text, load_json, wire_headers
 
 DEFAULT_PROGRAM = "default"
 MAX_PROGRAM_ID_CHARS = 256
@@ -106,8 +106,8 @@ def extract_program_id(body: dict[str, Any], header: str | None) -> str:
         found.append(extra.pop("program_id"))
         if not extra:
             del body["extra_body"]
-    if header is not None:
-        found.append(header)
+    if header is not None and not found:
+        found.append(header_text(header, "X-Program-Id"))
     if not found:
         return DEFAULT_PROGRAM
     program_id = found[0]
@@ -339,7 +339,7 @@ class Proxy:
         if "x-request-id" not in request.headers:
             headers.append(("x-request-id", header_safe(lease.request_id)))
         upstream = lease.backend.client.build_request(
-            "POST", endpoint, content=json.dumps(body).encode(), headers=headers
+            "POST", endpoint, content=json.dumps(body).encode(), headers=wire_headers(headers)
         )
         try:
             response = await self._send(lease.backend, upstream)
@@ -388,7 +388,7 @@ class Proxy:
             request.method,
             target,
             content=await request.get_data(False, False, False),
-            headers=forward_headers(request.headers.items()),
+            headers=wire_headers(forward_headers(request.headers.items())),
         )
         response = await self._send(backend, upstream)
         relay = Relay(response, read_timeout=self.read_timeout)

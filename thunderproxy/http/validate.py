@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import InvalidRequest
@@ -105,6 +105,31 @@ def check_identifier(value: str, field: str) -> str:
             param=field,
         ) from None
     return value
+
+
+def header_text(value: str, header: str) -> str:
+    """A header value used as an identifier, read as UTF-8.
+
+    The server hands header values over decoded as latin-1 (every byte one character); an id
+    sent as UTF-8 text is read back as that text, and bytes that are not UTF-8 are refused.
+    """
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise InvalidRequest(
+            f"The {header} header is not UTF-8 text; send it as UTF-8 (or ASCII).",
+            param=header.lower(),
+        ) from None
+
+
+def wire_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    """Request headers to forward, as the bytes the client sent: the server decoded them as
+    latin-1, so encoding them back the same way is exact (httpx would encode text as ASCII and
+    fail on any other byte)."""
+    return [
+        (name.encode("latin-1", "replace"), value.encode("latin-1", "replace"))
+        for name, value in headers
+    ]
 
 
 def check_identifiers(body: Mapping[str, Any]) -> None:
