@@ -68,7 +68,18 @@ def normalise_row(row: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """
     out: dict[str, Any] = {}
     notes: list[str] = []
+    isfinite = math.isfinite
     for column, value in row.items():
+        kind = type(value)
+        # Inline fast path: nearly every value is one of these, and this runs per value per row.
+        if (
+            value is None
+            or (kind is str and value.isascii())
+            or (kind is int and INT64_MIN <= value <= INT64_MAX)
+            or (kind is float and isfinite(value))
+        ):
+            out[column] = value
+            continue
         out[column], note = _storable(column, value)
         if note is not None:
             notes.append(note)
