@@ -79,11 +79,17 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
 
 def check_alive(live: Live) -> None:
-    started = time.perf_counter()
-    r = live.client.get("/health")
-    elapsed = time.perf_counter() - started
-    assert r.status_code == 200
-    assert elapsed < HEALTH_WITHIN_S, f"/health took {elapsed * 1000:.0f} ms"
+    """/health answers within HEALTH_WITHIN_S: the best of three tries, so that one scheduling
+    hiccup of a busy machine is not taken for a stalled proxy (which fails all three)."""
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        r = live.client.get("/health")
+        times.append(time.perf_counter() - started)
+        assert r.status_code == 200
+        if times[-1] < HEALTH_WITHIN_S:
+            return
+    raise AssertionError(f"/health took {', '.join(f'{t * 1000:.0f}' for t in times)} ms")
 
 
 def check_proxy_error(r: httpx.Response) -> None:
