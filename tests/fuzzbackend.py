@@ -44,6 +44,19 @@ class Answer:
     #: Drop the connection after the body instead of ending it.
     cut: bool = False
 
+    def __repr__(self) -> str:
+        # Short, so that hypothesis can print a failing example (a 1 MB repr is useless).
+        body = self.body
+        shown = repr(body[:300]) + (f"... ({len(body)} bytes)" if len(body) > 300 else "")
+        return (
+            f"Answer(status={self.status}, content_type={self.content_type!r}, "
+            f"headers={self.headers!r}, pieces={len(self.pieces)}, body={shown}, "
+            f"filler={self.filler[:20]!r}x{self.filler_count}, cut={self.cut})"
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))  # hypothesis prints examples with this, not __repr__
+
     @property
     def body(self) -> bytes:
         return b"".join(self.pieces) + self.filler * self.filler_count
@@ -184,9 +197,12 @@ fillers = st.sampled_from(
     ]
 )
 header_names = st.from_regex(r"\Ax-f-[a-z0-9-]{1,12}\Z")
-header_values = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=30).map(
-    str.strip
-)
+#: Header text: printable ASCII mostly, any other printable character too (sent as UTF-8).
+header_values = st.text(
+    st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+    | st.characters(min_codepoint=0xA0, exclude_categories=["Cs", "Zl", "Zp", "Cc"]),
+    max_size=30,
+).map(str.strip)
 statuses = st.sampled_from([200, 200, 200, 201, 400, 404, 422, 429, 500, 502, 503]) | st.integers(
     200, 599
 ).filter(lambda s: s not in (204, 205, 304))

@@ -117,11 +117,27 @@ def check_audit(live: Live, before: int) -> None:
     deadline = time.perf_counter() + AUDIT_WITHIN_S
     while (seen := audit_rows(live)) < before + 1 and time.perf_counter() < deadline:
         time.sleep(0.01)
-    assert seen == before + 1
+    assert seen == before + 1, (
+        live.client.get("/metrics").json()["audit"],
+        query(live.db, "SELECT program_id, status, error FROM steps ORDER BY id DESC LIMIT 3"),
+        query(live.db, "SELECT * FROM rejections ORDER BY id DESC LIMIT 3"),
+    )
+
+
+def settled(live: Live) -> bool:
+    """Every record accepted so far is written or counted as refused."""
+    stats = live.client.get("/metrics").json()["audit"]
+    queue_full = sum(n for cause, n in stats["dropped_by_cause"].items() if "queue full" in cause)
+    return bool(stats["accepted"] == stats["written"] + stats["dropped"] - queue_full)
 
 
 def post(live: Live, content: bytes, headers: dict[str, Any]) -> tuple[httpx.Response, int]:
-    """The call, and the audit rows there were before it."""
+    """The call, and the audit rows there were before it (once the writer has caught up, so a
+    row of an earlier call cannot be taken for this call's)."""
+    deadline = time.perf_counter() + AUDIT_WITHIN_S
+    while not settled(live):
+        assert time.perf_counter() < deadline, live.client.get("/metrics").json()["audit"]
+        time.sleep(0.01)
     before = audit_rows(live)
     r = live.client.post("/v1/chat/completions", content=content, headers=headers)
     return r, before
@@ -253,7 +269,8 @@ def test_any_request_long(live: Live, content: bytes, headers: dict[str, Any]) -
 
 # --- backends answering anything ---------------------------------------------------------------
 
-ERROR_TAIL = re.compile(rb"data: (\{\"error\": .*\})\n\ndata: \[DONE\]\n\n\Z", re.DOTALL)
+#: The proxy's own error event and [DONE], last in a stream it cut (its JSON is one line).
+ERROR_TAIL = re.compile(rb"data: (\{\"error\": [^\n]*\})\n\ndata: \[DONE\]\n\n\Z")
 EVENT_BOUNDARY = re.compile(rb"(\A|\r?\n\r?\n)\Z")
 
 
@@ -296,6 +313,9 @@ def check_any_answer(live: Live, answer: Answer, stream: bool, include_usage: bo
     finally:
         del live.backend.answers[case]
     relayed = r.headers.get("x-fuzz-echo") == case
+    if relayed:
+        for name, value in answer.headers:
+            assert value in r.headers.get_list(name), (name, value, r.headers.get_list(name))
     is_sse = "text/event-stream" in answer.content_type
     event(f"stream relayed: {stream and answer.status == 200 and is_sse}, cut: {answer.cut}")
     if stream and answer.status == 200 and is_sse:
@@ -315,7 +335,11 @@ def check_any_answer(live: Live, answer: Answer, stream: bool, include_usage: bo
     check_alive(live)
     check_audit(live, before)
     rows = query(live.db, "SELECT status, prompt_tokens FROM steps WHERE program_id = ?", case)
-    assert [row["status"] for row in rows] == [expected_status]
+    assert [row["status"] for row in rows] == [expected_status], (
+        query(live.db, "SELECT program_id, status, error FROM steps ORDER BY id DESC LIMIT 3"),
+        query(live.db, "SELECT * FROM rejections ORDER BY id DESC LIMIT 3"),
+        live.client.get("/metrics").json()["audit"],
+    )
     tokens = rows[0]["prompt_tokens"]
     assert tokens is None or 0 <= tokens <= 2**31
     # The agent is done with its program, as agents are; a new one takes its place.
