@@ -32,6 +32,7 @@ from .audit.records import RejectionRecord
 from .backends import BackendNode, BackendPool, UpstreamRequest, UpstreamResponse, header
 from .errors import (
     BackendError,
+    BackendProtocolError,
     BackendTimeout,
     ProxyStopping,
     ThunderproxyError,
@@ -60,6 +61,11 @@ class Tap(Protocol):
     #: The protocol's end-of-stream event has passed.
     complete: bool
 
+    @property
+    def overflowed(self) -> bool:
+        """One event grew past the tap's bound: the stream is a backend fault."""
+        ...
+
     def feed(self, chunk: bytes) -> bytes: ...
 
     def flush(self) -> bytes: ...
@@ -70,8 +76,9 @@ class Wire(Protocol):
 
     def tap(self, call: Call) -> Tap: ...
 
-    def usage_from_body(self, body: bytes) -> StepUsage | None:
-        """Usage of a whole (non-streamed) answer; raises ValueError if it is not JSON."""
+    def usage_from_body(self, body: bytes) -> tuple[StepUsage | None, str | None]:
+        """Usage of a whole (non-streamed) answer, and a note when the counts were refused or
+        clamped; raises ValueError if it is not JSON."""
         ...
 
     def error_event(self, error: ThunderproxyError) -> bytes:
@@ -164,6 +171,17 @@ class Exchange:
                 if self.first_token_at is None:
                     self.first_token_at = trio.current_time()
                 out = tap.feed(chunk)
+                if tap.overflowed:
+                    # An event without end, past the bound: the backend is broken, and a relay
+                    # that kept buffering it would be too. End the stream cleanly, in-band.
+                    fault = BackendProtocolError(
+                        f"Backend {self.node.url} sent a stream event larger than the proxy "
+                        f"reads ({tap.error}); the stream was ended.",
+                        backend=self.node.url,
+                    )
+                    self.finish(describe(fault)[0], error=fault.message)
+                    yield self.call.wire.error_event(fault)
+                    return
                 if tap.complete and not self.done:
                     # The answer is whole: a client that hangs up on the end event before the
                     # connection closes has still been served all of it.
@@ -204,8 +222,9 @@ class Exchange:
         error = None
         if self.status_code == 200:
             try:
-                self.usage = self.call.wire.usage_from_body(content) or StepUsage()
-            except ValueError:
+                usage, error = self.call.wire.usage_from_body(content)
+                self.usage = usage or StepUsage()
+            except (ValueError, RecursionError):
                 error = "backend answered 200 with a body that is not JSON"
         else:
             error = content[:500].decode("utf-8", "replace")

@@ -4,17 +4,22 @@ waiting; one task batches them into the database from a worker thread.
 Nothing on the request path touches SQLite. A full channel drops the record (counted in
 ``AuditLog.statistics()``) rather than slowing traffic; on a clean stop every accepted record
 is written before the writer returns.
+
+Nothing a row holds can stop the writer: values are made storable first (``sanitize``), and a
+batch SQLite still refuses is retried row by row; a row refused on its own is dropped, counted
+under its cause and logged once per cause.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import tempfile
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +29,47 @@ from ..clock import WallClock
 from ..errors import AuditError, ConfigError
 from . import migrations
 from .records import AuditRecord, ToUnix
+from .sanitize import normalise_row, refusal_cause
+
+log = logging.getLogger("thunderproxy.audit")
 
 #: Rows per INSERT batch, and how long the writer lingers to fill one.
 MAX_BATCH = 500
 MAX_LINGER_S = 0.05
 #: How long a stop may spend flushing records already accepted.
 FLUSH_GRACE_S = 10.0
+#: The cause under which records refused by a full channel are counted.
+QUEUE_FULL = "queue full (raise --audit-queue)"
+#: Distinct drop causes kept apart; any further cause is counted under OTHER_CAUSE.
+MAX_CAUSES = 64
+OTHER_CAUSE = "other"
 
 
 @dataclass(frozen=True)
 class AuditStatistics:
+    """A snapshot of the writer. ``dropped`` counts every record lost, whatever the cause:
+    refused by a full channel, or accepted and then refused by SQLite (``dropped_by_cause``
+    names each cause, ``<table>: <reason>``); ``invalid`` counts rows written with a value
+    changed to make it storable (clamped, escaped or NULL; noted in the row's ``error``)."""
+
     accepted: int
     written: int
     dropped: int
     queued: int
     batches: int
+    invalid: int = 0
+    dropped_by_cause: Mapping[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "accepted": self.accepted,
+            "written": self.written,
+            "dropped": self.dropped,
+            "queued": self.queued,
+            "batches": self.batches,
+            "invalid": self.invalid,
+            "dropped_by_cause": dict(self.dropped_by_cause),
+        }
 
 
 class AuditLog:
@@ -51,19 +82,44 @@ class AuditLog:
         self.dropped = 0
         self.written = 0
         self.batches = 0
+        self.invalid = 0
+        self.dropped_by_cause: dict[str, int] = {}
 
     def record(self, record: AuditRecord) -> None:
         """Queue one record; never blocks, never raises (a full or closed queue drops it)."""
         try:
             self._send.send_nowait(record)
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            self.dropped += 1
+            self.count_dropped(QUEUE_FULL)
         else:
             self.accepted += 1
 
+    def count_dropped(self, cause: str) -> None:
+        """One record lost for ``cause``; the first loss of each cause is logged, the rest only
+        counted, so a producer that keeps sending bad rows cannot flood the log."""
+        self.dropped += 1
+        if cause not in self.dropped_by_cause and len(self.dropped_by_cause) >= MAX_CAUSES:
+            cause = OTHER_CAUSE
+        if cause not in self.dropped_by_cause:
+            self.dropped_by_cause[cause] = 0
+            log.error(
+                "audit: a record was dropped (%s); further drops for this cause are only "
+                "counted, under audit.dropped_by_cause in /metrics and /health",
+                cause,
+            )
+        self.dropped_by_cause[cause] += 1
+
     def statistics(self) -> AuditStatistics:
         queued = self._send.statistics().current_buffer_used
-        return AuditStatistics(self.accepted, self.written, self.dropped, queued, self.batches)
+        return AuditStatistics(
+            self.accepted,
+            self.written,
+            self.dropped,
+            queued,
+            self.batches,
+            self.invalid,
+            dict(self.dropped_by_cause),
+        )
 
     async def aclose(self) -> None:
         """No more records; the writer flushes what it has and returns."""
@@ -129,11 +185,21 @@ def open_database(path: str) -> sqlite3.Connection:
     return conn
 
 
+@dataclass
+class BatchOutcome:
+    """What one batch came to: rows written, rows written with a changed value, rows lost."""
+
+    written: int = 0
+    invalid: int = 0
+    refused: list[str] = field(default_factory=list)
+
+
 class _BatchWriter:
     """Turns records into rows and inserts them, in a worker thread (never on the trio loop).
 
     Plain ``executemany`` with one cached statement per table and column set: about 3x the
-    rate of sqlite-utils' ``insert_all``, which re-inspects the table on every call.
+    rate of sqlite-utils' ``insert_all``, which re-inspects the table on every call. A batch
+    SQLite refuses is written again one row per transaction, so one bad row costs only itself.
     """
 
     def __init__(self, conn: sqlite3.Connection, run_id: int, to_unix: ToUnix) -> None:
@@ -142,22 +208,47 @@ class _BatchWriter:
         self.to_unix = to_unix
         self._statements: dict[tuple[str, tuple[str, ...]], str] = {}
 
-    def write(self, records: list[AuditRecord]) -> None:
+    def _statement(self, key: tuple[str, tuple[str, ...]]) -> str:
+        statement = self._statements.get(key)
+        if statement is None:
+            table, columns = key
+            statement = self._statements[key] = (
+                f"INSERT INTO {table} ({', '.join(columns)}) "
+                f"VALUES ({', '.join('?' * len(columns))})"
+            )
+        return statement
+
+    def write(self, records: list[AuditRecord]) -> BatchOutcome:
+        outcome = BatchOutcome()
         grouped: dict[tuple[str, tuple[str, ...]], list[tuple[Any, ...]]] = defaultdict(list)
         for record in records:
-            row = record.row(self.to_unix)
+            try:
+                row, notes = normalise_row(record.row(self.to_unix))
+            except Exception as exc:  # a record that cannot even be turned into a row
+                outcome.refused.append(refusal_cause(record.table, exc))
+                continue
+            if notes:
+                outcome.invalid += 1
             row["run_id"] = self.run_id
             grouped[(record.table, tuple(row))].append(tuple(row.values()))
-        with self.conn:
+        try:
+            with self.conn:
+                for key, values in grouped.items():
+                    self.conn.executemany(self._statement(key), values)
+        except Exception:
+            # Rolled back: find the rows SQLite refuses by writing each on its own.
             for key, values in grouped.items():
-                statement = self._statements.get(key)
-                if statement is None:
-                    table, columns = key
-                    statement = self._statements[key] = (
-                        f"INSERT INTO {table} ({', '.join(columns)}) "
-                        f"VALUES ({', '.join('?' * len(columns))})"
-                    )
-                self.conn.executemany(statement, values)
+                for value in values:
+                    try:
+                        with self.conn:
+                            self.conn.execute(self._statement(key), value)
+                    except Exception as exc:
+                        outcome.refused.append(refusal_cause(key[0], exc))
+                    else:
+                        outcome.written += 1
+        else:
+            outcome.written = sum(len(values) for values in grouped.values())
+        return outcome
 
 
 async def serve_audit_writer(
@@ -182,12 +273,18 @@ async def serve_audit_writer(
             cursor = conn.execute(
                 "INSERT INTO runs (started_at, version, router, backends, settings)"
                 " VALUES (?, ?, ?, ?, ?)",
-                (
-                    started_at,
-                    str(run_info.get("version", "")),
-                    str(run_info.get("router", "")),
-                    ",".join(run_info.get("backends", ())),
-                    json.dumps(dict(run_info.get("settings", {})), default=str, sort_keys=True),
+                tuple(
+                    normalise_row(
+                        {
+                            "started_at": started_at,
+                            "version": str(run_info.get("version", "")),
+                            "router": str(run_info.get("router", "")),
+                            "backends": ",".join(run_info.get("backends", ())),
+                            "settings": json.dumps(
+                                dict(run_info.get("settings", {})), default=str, sort_keys=True
+                            ),
+                        }
+                    )[0].values()
                 ),
             )
         assert cursor.lastrowid is not None
@@ -204,9 +301,12 @@ async def serve_audit_writer(
             return
         batch = pending[:]
         pending.clear()
-        await trio.to_thread.run_sync(writer.write, batch)
-        audit.written += len(batch)
+        outcome = await trio.to_thread.run_sync(writer.write, batch)
+        audit.written += outcome.written
+        audit.invalid += outcome.invalid
         audit.batches += 1
+        for cause in outcome.refused:
+            audit.count_dropped(cause)
 
     try:
         task_status.started(audit)

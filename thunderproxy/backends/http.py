@@ -114,8 +114,15 @@ class HttpBackend:
         )
 
     async def send(self, request: UpstreamRequest) -> HttpResponse:
+        # Header values go out as the bytes the client sent: the server decoded them as latin-1,
+        # so encoding them back the same way is exact (httpx would encode text as ASCII and fail
+        # on any other byte).
+        headers = [
+            (name.encode("latin-1", "replace"), value.encode("latin-1", "replace"))
+            for name, value in request.headers
+        ]
         upstream = self.client.build_request(
-            request.method, request.target, content=request.content, headers=request.headers
+            request.method, request.target, content=request.content, headers=headers
         )
         with map_httpx_errors(self.name):
             response = await self.client.send(upstream, stream=True)

@@ -133,14 +133,8 @@ def program_view(program: Program, services: Services, *, with_profile: bool) ->
     return view
 
 
-def _audit_json(stats: Statistics) -> dict[str, int]:
-    audit = stats.audit
-    return {
-        "accepted": audit.accepted,
-        "written": audit.written,
-        "dropped": audit.dropped,
-        "queued": audit.queued,
-    }
+def _audit_json(stats: Statistics) -> dict[str, Any]:
+    return stats.audit.as_dict()
 
 
 def create_app(services: Services) -> ThunderproxyApp:

@@ -6,7 +6,6 @@ end, backend error, client gone, proxy stopping) it is closed and recorded exact
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from typing import Any
@@ -21,6 +20,7 @@ from ..gateway import Call, Gateway
 from .guard import DEFAULT_GUARD, PassthroughGuard
 from .sse import OPENAI
 from .streaming import is_streaming
+from .validate import check_identifier, check_identifiers, header_text, load_json
 
 DEFAULT_PROGRAM = "default"
 MAX_PROGRAM_ID_CHARS = 256
@@ -72,7 +72,7 @@ def forward_headers(
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = load_json(raw)
     except UnicodeDecodeError:
         raise InvalidRequest(
             "Request body is not valid UTF-8; send JSON encoded as UTF-8."
@@ -95,13 +95,14 @@ def extract_program_id(body: dict[str, Any], header: str | None) -> str:
         found.append(extra.pop("program_id"))
         if not extra:
             del body["extra_body"]
-    if header is not None:
-        found.append(header)
+    if header is not None and not found:
+        found.append(header_text(header, "X-Program-Id"))
     if not found:
         return DEFAULT_PROGRAM
     program_id = found[0]
     if not isinstance(program_id, str) or not program_id.strip():
         raise InvalidRequest("program_id must be a non-empty string.", param="program_id")
+    check_identifier(program_id, "program_id")
     if len(program_id) > MAX_PROGRAM_ID_CHARS:
         raise InvalidRequest(
             f"program_id is longer than {MAX_PROGRAM_ID_CHARS} characters.", param="program_id"
@@ -141,6 +142,7 @@ def validate_completion_body(body: dict[str, Any], endpoint: str) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
+    check_identifiers(body)
 
 
 def response_headers(headers: Iterable[tuple[str, str]]) -> Headers:

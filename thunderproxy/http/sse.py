@@ -36,8 +36,8 @@ class OpenAIWire:
     def tap(self, call: Call) -> UsageTap:
         return UsageTap(hide_usage_chunk=call.hide_usage)
 
-    def usage_from_body(self, body: bytes) -> StepUsage | None:
-        return usage_from(json.loads(body))
+    def usage_from_body(self, body: bytes) -> tuple[StepUsage | None, str | None]:
+        return openai_chat.usage_from(json.loads(body))
 
     def error_event(self, error: ThunderproxyError) -> bytes:
         return sse_error_event(error)

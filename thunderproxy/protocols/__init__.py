@@ -96,9 +96,9 @@ class ProtocolWire:
         )
         return self.last_tap
 
-    def usage_from_body(self, body: bytes) -> Usage | None:
-        """Usage of a whole answer; raises ValueError if the body is not JSON."""
-        return usage_from_body(self.protocol, json.loads(body))
+    def usage_from_body(self, body: bytes) -> tuple[Usage | None, str | None]:
+        """Usage of a whole answer and a note on it; raises ValueError if it is not JSON."""
+        return read_usage(self.protocol, json.loads(body))
 
     def error_event(self, error: ThunderproxyError) -> bytes:
         status, error_type = describe(error)

@@ -212,9 +212,15 @@ def checked_usage(prompt: Any, completion: Any, cached: Any) -> tuple[Usage | No
     p, c, k = (None if v is None else min(v, MAX_TOKENS) for v in counts)
     if p is None:
         return None, None
+    note = None
+    if any(v is not None and v > MAX_TOKENS for v in counts):
+        note = (
+            f"upstream reported token counts past {MAX_TOKENS:,} (prompt={prompt}, "
+            f"completion={completion}, cached={cached}); clamped"
+        )
     if k is not None:
         k = min(k, p)
-    return Usage(prompt_tokens=p, completion_tokens=c, cached_tokens=k), None
+    return Usage(prompt_tokens=p, completion_tokens=c, cached_tokens=k), note
 
 
 # --- the streaming tap -------------------------------------------------------------------------
@@ -246,7 +252,7 @@ def json_data(event: SseEvent) -> dict[str, Any] | None:
         return None
     try:
         payload = json.loads(event.data)
-    except ValueError:
+    except (ValueError, RecursionError):  # malformed, or nested past what Python can parse
         return None
     return payload if isinstance(payload, dict) else None
 
@@ -338,6 +344,11 @@ class SseTap:
             "reading this stream (its usage is unknown) and relays it unchanged"
         )
 
+    @property
+    def overflowed(self) -> bool:
+        """An event grew past ``max_event_bytes``: the stream cannot be read any further."""
+        return self._overflowed
+
     def answer(self) -> Any:
         """The streamed answer in the shape ``ProgramRecognizer.observe_answer`` takes."""
         raise NotImplementedError
@@ -358,6 +369,7 @@ class SseTap:
             return  # one negative report makes the whole call's usage unknown
         if error is not None:
             self.error = error
+        if usage is None and error is not None:
             self.usage = None
             self._refused = True
         elif usage is not None:
