@@ -183,6 +183,57 @@ SETTINGS: tuple[Setting, ...] = (
         secret=True,
     ),
     Setting("log_level", "info", "Log verbosity.", choices=("debug", "info", "warning", "error")),
+    Setting(
+        "council_models",
+        "",
+        "Comma-separated model names that sit on the council at /council/ (empty: no council "
+        "jobs can run).",
+    ),
+    Setting(
+        "council_chairman",
+        "",
+        "Model that synthesises the council's answer (empty: the first member).",
+    ),
+    Setting(
+        "council_title_model", "", "Model that titles a new conversation (empty: the chairman)."
+    ),
+    Setting(
+        "council_member_timeout",
+        300.0 * SECONDS,
+        "Seconds one council member may take for one stage before it is left out.",
+    ),
+    Setting(
+        "council_max_tokens",
+        0,
+        "Most tokens a council member may write per answer (0: the backend's default).",
+    ),
+    Setting(
+        "council_tools",
+        False,
+        "Offer council members the fetch_url (and, with --council-search-url, web_search) "
+        "tools in stage 1; the backends must accept OpenAI tool calls.",
+    ),
+    Setting(
+        "council_tool_rounds", 5, "Rounds of tool calls a member may make before it must answer."
+    ),
+    Setting(
+        "council_tools_allow_private",
+        False,
+        "Let fetch_url read private, loopback and link-local addresses (off: refused).",
+    ),
+    Setting(
+        "council_search_url",
+        "",
+        "Search endpoint for web_search, called as GET URL?q=... and answering JSON "
+        "(SearXNG's format=json, Brave's web search, or {results: [{title, url, snippet}]}); "
+        "empty: no web_search.",
+    ),
+    Setting("council_search_key", "", "API key sent to the search endpoint.", secret=True),
+    Setting(
+        "council_keepalive",
+        15.0 * SECONDS,
+        "Seconds between keepalive comments on a quiet council event stream.",
+    ),
 )
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
@@ -226,6 +277,17 @@ class Settings:
     client_timeout: float = 60.0
     admin_token: str = dataclasses.field(default="", repr=False)
     log_level: str = "info"
+    council_models: str = ""
+    council_chairman: str = ""
+    council_title_model: str = ""
+    council_member_timeout: float = 300.0
+    council_max_tokens: int = 0
+    council_tools: bool = False
+    council_tool_rounds: int = 5
+    council_tools_allow_private: bool = False
+    council_search_url: str = ""
+    council_search_key: str = dataclasses.field(default="", repr=False)
+    council_keepalive: float = 15.0
 
     def public(self) -> dict[str, Any]:
         """Every setting, secrets redacted: what may be logged or stored."""

@@ -31,6 +31,7 @@ from .clock import WallClock
 from .config import Settings
 from .explore import mount_datasette
 from .http.app import Services, create_app
+from .jobs import open_council, serve_council
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
 from .scheduling import Scheduler
@@ -217,9 +218,11 @@ async def run(
             )
             if handle_signals:
                 nursery.start_soon(_stop_on_signals, shutdown, force, background)
+            council = await open_council(settings)
 
             async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 app = create_app(services)
+                app.register_blueprint(council.blueprint)
                 async with mount_datasette(app, settings) as served:
                     await serve(
                         served,
@@ -232,6 +235,12 @@ async def run(
                 await audit.aclose()
 
             binds: list[str] = await nursery.start(serve_http)
+            # Council jobs call the proxy's own URL, so it starts once the proxy listens.
+            await nursery.start(
+                _in_scope,
+                background,
+                partial(serve_council, council, settings, binds[0], shutdown=shutdown),
+            )
             log.info(
                 "thunderproxy %s listening on %s (router=%s, backends=%s, db=%s)",
                 __version__,

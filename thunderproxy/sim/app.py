@@ -19,6 +19,7 @@ import trio
 from . import exposition
 from .config import SimConfig
 from .control import dev_mode_routes, sim_routes
+from .council import scripted_answer
 from .engine import Engine, EngineDeadError, QueueFullError, RequestHandle
 from .protocol import APIError, GenerateRequest, error_body, parse_generate, validation_error
 from .responses import ResponseBuilder, dumps, models_body
@@ -279,6 +280,7 @@ class SimApp:
                 ignore_eos=parsed.ignore_eos,
                 min_tokens=parsed.min_tokens,
                 priority=parsed.priority,
+                text=scripted_answer(body, self.config.seed) if chat else None,
             )
         except EngineDeadError:
             raise APIError(500, ENGINE_DEAD, "InternalServerError") from None

@@ -19,6 +19,7 @@ import trio
 
 from .blocks import BlockPool
 from .config import SimConfig
+from .council import ScriptedText
 from .metrics import Recorder
 from .scheduler import Scheduler, SimRequest, Status, StepPlan, StepResult
 from .timing import batch_shape, step_seconds
@@ -165,8 +166,10 @@ class Engine:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         priority: int = 0,
+        text: str | None = None,
     ) -> RequestHandle:
-        """Queue a request; `output_tokens` fixes where it stops (EOS included)."""
+        """Queue a request; `output_tokens` fixes where it stops (EOS included); `text`, when
+        given, is what the model writes instead of generated words."""
         if self.dead:
             raise EngineDeadError(
                 "EngineCore encountered an issue. See stack trace for the root cause."
@@ -180,8 +183,13 @@ class Engine:
             request_id = f"{self._ids.getrandbits(64):016x}"
         while request_id in self.handles:  # vLLM keeps ids unique internally as well
             request_id = f"{request_id}-{self._ids.getrandbits(16):04x}"
+        generator: TextGenerator | ScriptedText
+        if text is None:
+            generator = TextGenerator(self.tokenizer, self.config.seed, request_id)
+        else:
+            generator = ScriptedText(self.tokenizer, text)
+            output_tokens = generator.length + 1  # the text, then EOS
         stop_at = self._plan_length(request_id, max_tokens, output_tokens, ignore_eos, min_tokens)
-        generator = TextGenerator(self.tokenizer, self.config.seed, request_id)
         request = SimRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
