@@ -49,23 +49,30 @@ async def council_proxy(
             yield proxy, simulator
 
 
-async def read_sse(
-    response: httpx.Response, *, stop_after: int | None = None
-) -> list[dict[str, Any]]:
-    """Events of an SSE body (``id`` checked against ``seq``); stops at the end of the
-    stream, or after ``stop_after`` events."""
-    events: list[dict[str, Any]] = []
-    event_id = None
-    async for line in response.aiter_lines():
-        if line.startswith("id: "):
-            event_id = int(line[4:])
-        elif line.startswith("data: "):
-            event = json.loads(line[6:])
-            assert event["seq"] == event_id
-            events.append(event)
-            if stop_after is not None and len(events) >= stop_after:
-                break
-    return events
+class EventReader:
+    """Reads one SSE body in parts (``id`` checked against ``seq``)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._lines = response.aiter_lines()
+        self._id: int | None = None
+
+    async def read(self, stop_after: int | None = None) -> list[dict[str, Any]]:
+        """Events up to the end of the stream, or the next ``stop_after`` of them."""
+        events: list[dict[str, Any]] = []
+        async for line in self._lines:
+            if line.startswith("id: "):
+                self._id = int(line[4:])
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert event["seq"] == self._id
+                events.append(event)
+                if stop_after is not None and len(events) >= stop_after:
+                    break
+        return events
+
+
+async def read_sse(response: httpx.Response) -> list[dict[str, Any]]:
+    return await EventReader(response).read()
 
 
 async def new_conversation(client: httpx.AsyncClient) -> str:

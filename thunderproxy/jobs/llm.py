@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,6 +64,18 @@ class ChatClient(Protocol):
     ) -> AsyncIterator[ChatEvent]: ...
 
     async def release(self, program_id: str) -> None: ...
+
+
+@asynccontextmanager
+async def closing(events: AsyncIterator[ChatEvent]) -> AsyncIterator[AsyncIterator[ChatEvent]]:
+    """Close a chat stream however its reader stops (a timeout, a cancelled job), so its HTTP
+    response is closed now rather than whenever the garbage collector gets to it."""
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 @dataclass

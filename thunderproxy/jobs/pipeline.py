@@ -16,7 +16,7 @@ import trio
 from . import council
 from .council import MemberAnswer, MemberRanking, Turn
 from .errors import JobFailed, MemberFailed
-from .llm import ChatClient, TextDelta, ToolCall
+from .llm import ChatClient, TextDelta, ToolCall, closing
 from .tools import Toolbox, answer_with_tools
 
 #: Streamed text is saved and sent in pieces at most this far apart (trio seconds): one event
@@ -154,13 +154,15 @@ async def stream_text(
     max_tokens: int | None,
 ) -> str:
     parts = []
-    async for event in client.stream_chat(
+    stream = client.stream_chat(
         model=model, messages=messages, program_id=program, max_tokens=max_tokens
-    ):
-        if isinstance(event, TextDelta):
-            parts.append(event.text)
-            if chunks is not None:
-                await chunks.add(event.text)
+    )
+    async with closing(stream) as events:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+                if chunks is not None:
+                    await chunks.add(event.text)
     if chunks is not None:
         await chunks.flush()
     return "".join(parts)

@@ -157,9 +157,11 @@ class CouncilRunner:
                 yield event
             return
         while True:
-            for event in live.events[after:]:
+            while after < len(live.events):
+                # One at a time: more events may be committed while this one is sent.
+                event = live.events[after]
+                after = event.seq
                 yield event
-            after = max(after, len(live.events))
             if live.finished or self.stopped:
                 return
             waiting = live.changed

@@ -21,7 +21,7 @@ import httpx
 import trio
 
 from .errors import ToolFailed
-from .llm import ChatClient, Finished, TextDelta, ToolCall
+from .llm import ChatClient, Finished, TextDelta, ToolCall, closing
 
 #: Redirects followed by ``fetch_url``, each checked like the first address.
 MAX_REDIRECTS = 5
@@ -307,18 +307,20 @@ async def answer_with_tools(
             history.append({"role": "user", "content": FINAL_ANSWER_NOTE})
         text: list[str] = []
         finished = Finished(None)
-        async for event in client.stream_chat(
+        stream = client.stream_chat(
             model=model,
             messages=history,
             program_id=program_id,
             tools=toolbox.definitions() if offer and toolbox is not None else None,
             max_tokens=max_tokens,
-        ):
-            if isinstance(event, TextDelta):
-                text.append(event.text)
-                await on_text(event.text)
-            else:
-                finished = event
+        )
+        async with closing(stream) as events:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    text.append(event.text)
+                    await on_text(event.text)
+                else:
+                    finished = event
         if not (offer and toolbox is not None and finished.tool_calls):
             return "".join(text)
         rounds += 1
