@@ -74,7 +74,8 @@ Question: {question}"""
 MAX_MEMBERS = len(string.ascii_uppercase)
 
 _LABEL = re.compile(r"[Rr]esponse\s+([A-Z])\b")
-_NUMBERED = re.compile(r"^\s*\d+\s*[.)]\s*\W*[Rr]esponse\s+([A-Z])\b", re.MULTILINE)
+# "1. Response C", "2) **Response A**", on their own lines or run together on one.
+_NUMBERED = re.compile(r"(?<![\w.])\d+\s*[.)]\s*\W{0,3}[Rr]esponse\s+([A-Z])\b")
 
 
 @dataclass(frozen=True)
