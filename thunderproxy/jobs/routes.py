@@ -115,6 +115,20 @@ def create_blueprint(
             return Response(b"not found", status=404)
         return Response(data, content_type=STATIC_TYPES[suffix])
 
+    @bp.get("/api/config")
+    async def config() -> Response:
+        council = runner.config
+        return jsonify(
+            {
+                "members": list(council.members),
+                "chairman": council.chairman,
+                "title_model": council.title_model,
+                "tools": [t["function"]["name"] for t in runner.toolbox.definitions()]
+                if runner.toolbox
+                else [],
+            }
+        )
+
     @bp.get("/api/conversations")
     async def list_conversations() -> Response:
         return jsonify(await store.list_conversations())
