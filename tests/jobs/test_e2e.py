@@ -206,7 +206,7 @@ async def test_a_job_interrupted_by_a_restart_resumes_after_its_last_completed_s
         status = (await client.get(f"/council/api/conversations/{conversation}/job/status")).json()
         assert status["status"] == "complete"
         assert status["job_id"] == job
-    row = query(db, "SELECT status, completed_stage FROM council_jobs")[0]
-    assert row == {"status": "complete", "completed_stage": 3}
+    row = query(db, "SELECT status, completed_stage, resumes FROM council_jobs")[0]
+    assert row == {"status": "complete", "completed_stage": 3, "resumes": 1}
     seqs = [r["seq"] for r in query(db, "SELECT seq FROM council_events ORDER BY seq")]
     assert seqs == list(range(1, len(seqs) + 1))

@@ -257,6 +257,7 @@ class CouncilRunner:
                 break
         turns = council.turns_from_messages(earlier)
         if job["last_seq"]:
+            await store.update_job(job_id, resumes=job["resumes"] + 1)
             await emit("resumed", {"completed_stage": done})
         metadata: dict[str, Any] = dict(job["metadata"] or {})
 
