@@ -210,3 +210,48 @@ async def test_a_job_interrupted_by_a_restart_resumes_after_its_last_completed_s
     assert row == {"status": "complete", "completed_stage": 3, "resumes": 1}
     seqs = [r["seq"] for r in query(db, "SELECT seq FROM council_events ORDER BY seq")]
     assert seqs == list(range(1, len(seqs) + 1))
+
+
+async def test_the_page_and_api_are_served_and_guarded_by_the_admin_token(
+    tmp_path: Path,
+) -> None:
+    async with (
+        council_proxy(tmp_path / "c.db", admin_token="s3cret") as (proxy, _sim),
+        httpx.AsyncClient(base_url=proxy.url) as client,
+    ):
+        refused = await client.get("/council/")
+        assert refused.status_code == 401
+        assert refused.headers["www-authenticate"].startswith("Basic")
+        assert "--admin-token" in refused.json()["error"]["message"]
+        assert (await client.post("/council/api/conversations")).status_code == 401
+        client.headers["authorization"] = "Bearer s3cret"
+        page = await client.get("/council/")
+        assert page.status_code == 200
+        assert page.headers["content-type"].startswith("text/html")
+        assert "Ask the council" in page.text
+        for name, kind in (("council.js", "text/javascript"), ("council.css", "text/css")):
+            asset = await client.get(f"/council/static/{name}")
+            assert asset.status_code == 200
+            assert asset.headers["content-type"].startswith(kind)
+        assert (await client.get("/council/static/..%2Fstore.py")).status_code == 404
+        config = (await client.get("/council/api/config")).json()
+        assert config == {
+            "members": list(MODELS), "chairman": MODELS[0], "title_model": MODELS[0], "tools": []
+        }  # fmt: skip
+        missing = await client.get("/council/api/conversations/nope")
+        assert missing.status_code == 404
+        assert "does not exist" in missing.json()["error"]["message"]
+        first = await new_conversation(client)
+        other = await new_conversation(client)
+        events = await ask_streaming(client, first, "q")
+        stolen = await client.get(
+            f"/council/api/conversations/{other}/job/stream",
+            params={"job_id": events[0]["job_id"]},
+        )
+        assert stolen.status_code == 400
+        empty = await client.post(f"/council/api/conversations/{first}/message", json={})
+        assert empty.status_code == 400
+        deleted = await client.delete(f"/council/api/conversations/{first}")
+        assert deleted.json() == {"id": first, "deleted": True}
+        listed = (await client.get("/council/api/conversations")).json()
+        assert [c["id"] for c in listed] == [other]

@@ -207,6 +207,13 @@ def create_blueprint(
         job_id = request.args.get("job_id") or await store.latest_job(conversation_id)
         if job_id is None:
             raise InvalidRequest(f"Conversation {conversation_id!r} has no council job yet.")
+        job = await store.get_job(job_id)
+        if job is None or job["conversation_id"] != conversation_id:
+            raise InvalidRequest(
+                f"Council job {job_id!r} is not a job of conversation {conversation_id!r}; "
+                "leave job_id out to follow its latest job.",
+                param="job_id",
+            )
         return stream(job_id, max(0, after))
 
     return bp
