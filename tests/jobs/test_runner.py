@@ -3,7 +3,6 @@ conversation, keepalives on a quiet stream, and programs released when a job end
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +95,7 @@ async def test_a_quiet_stream_gets_keepalives(nursery: trio.Nursery, tmp_path: P
     conversation = (await runner.store.create_conversation())["id"]
     job = await runner.start(conversation, "q")
     seen: list[Any] = []
-    stream: AsyncIterator[Any] = runner.follow(job, 0, keepalive_s=0.05)
+    stream = runner.follow(job, 0, keepalive_s=0.05)
     with trio.fail_after(10):
         async for item in stream:
             seen.append(item)
@@ -104,7 +103,7 @@ async def test_a_quiet_stream_gets_keepalives(nursery: trio.Nursery, tmp_path: P
                 break
     assert [e.type for e in seen[:-1]] == ["stage1_start"]
     assert seen[-1] is None
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
 
 
 def test_tool_call_fragments_are_assembled_in_order() -> None:

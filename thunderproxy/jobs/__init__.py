@@ -121,5 +121,9 @@ async def serve_council(
                 loopback_url(proxy_url), calls, admin_token=settings.admin_token
             )
             await council.runner.serve(chat, shutdown=shutdown, task_status=task_status)
+        # The clients are closed (their idle connections to this proxy would hold up its
+        # drain), but the routes may still read the store until the HTTP server has drained;
+        # the runtime cancels this task then.
+        await trio.sleep_forever()
     finally:
         await council.store.aclose()

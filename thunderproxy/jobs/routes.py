@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from importlib import resources
 from typing import Any
 
@@ -91,11 +92,13 @@ def create_blueprint(
         async def body() -> AsyncIterator[bytes]:
             # A comment first, so the client sees the stream is open before any event.
             yield b": council job " + job_id.encode() + b"\n\n"
-            async for event in runner.follow(job_id, after, keepalive_s=keepalive_s):
-                if event is None:
-                    yield b": keepalive\n\n"
-                else:
-                    yield sse({**event.payload(), "job_id": job_id}, event.seq)
+            # Closed explicitly: a client that leaves must not leave the follower to the GC.
+            async with aclosing(runner.follow(job_id, after, keepalive_s=keepalive_s)) as events:
+                async for event in events:
+                    if event is None:
+                        yield b": keepalive\n\n"
+                    else:
+                        yield sse({**event.payload(), "job_id": job_id}, event.seq)
 
         response = Response(body(), content_type="text/event-stream; charset=utf-8")
         response.headers["cache-control"] = "no-cache"

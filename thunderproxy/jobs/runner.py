@@ -10,7 +10,7 @@ stage they were in, so the next start picks them up.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -148,7 +148,7 @@ class CouncilRunner:
 
     async def follow(
         self, job_id: str, after: int = 0, *, keepalive_s: float = 15.0
-    ) -> AsyncIterator[Event | None]:
+    ) -> AsyncGenerator[Event | None, None]:
         """The job's events after ``after``, then its new ones as they are committed, until
         it ends; ``None`` every ``keepalive_s`` of silence (a keepalive comment)."""
         live = self.live.get(job_id)
