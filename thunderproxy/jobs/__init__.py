@@ -11,10 +11,10 @@ Layers: ``council.py`` (pure: prompts, labels, ranking parsing, aggregation, his
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import trio
+from quart import Blueprint
 
 from ..config import Settings
 from ..errors import ConfigError
@@ -75,7 +75,7 @@ class Council:
 
     store: JobStore
     runner: CouncilRunner
-    blueprint: Any
+    blueprint: Blueprint
 
 
 async def open_council(settings: Settings) -> Council:

@@ -10,7 +10,7 @@ stage they were in, so the next start picks them up.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -311,6 +311,3 @@ class CouncilRunner:
             if name:
                 await store.set_title(job["conversation_id"], name)
                 await emit("title_complete", {"title": name})
-
-
-Factory = Callable[[], ChatClient]
