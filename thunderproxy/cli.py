@@ -12,17 +12,11 @@ import click
 import trio
 
 from . import __version__
-from .config import Settings, load_settings, settings_options
+from .config import SETTINGS_BY_NAME, Settings, given_values, load_settings, settings_options
 from .errors import ThunderproxyError
 
-DB_OPTION = click.option(
-    "--db",
-    default="thunderproxy.db",
-    show_default=True,
-    envvar="THUNDERPROXY_DB",
-    show_envvar=True,
-    help="SQLite audit db.",
-)
+#: serve's --db setting, for the commands that open the same audit db.
+DB = SETTINGS_BY_NAME["db"]
 
 
 def configure_logging(level: str) -> None:
@@ -52,17 +46,30 @@ def cli() -> None:
     """
 
 
+def _our_error(exc: BaseException) -> ThunderproxyError | None:
+    """The ThunderproxyError behind ``exc``, also when nurseries wrapped it in groups."""
+    if isinstance(exc, ThunderproxyError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _our_error(exc.exceptions[0])
+    return None
+
+
 @cli.command()
 @settings_options()
-def serve(**values: Any) -> None:
+@click.pass_context
+def serve(ctx: click.Context, /, **values: Any) -> None:
     """Run the proxy until SIGINT/SIGTERM (in-flight requests are drained first).
 
-    Every option can also be set through the environment variable shown next to it.
+    Every option can also be set through the environment variable shown next to it, or as a
+    key of the --config file (docs/CONFIG.md); flags beat variables, which beat the file.
     """
+    given, origins = given_values(ctx, values)
     try:
-        settings: Settings = load_settings(values)
+        settings: Settings = load_settings(given, origins=origins)
     except ThunderproxyError as exc:
-        raise click.UsageError(exc.message) from None
+        # One line: what is wrong and how to fix it (a usage dump would bury it).
+        raise click.ClickException(exc.message) from None
     configure_logging(settings.log_level)
     if settings.datasette:
         # trio-asyncio has to patch asyncio before Quart imports aiofiles (see explore.mount).
@@ -71,12 +78,15 @@ def serve(**values: Any) -> None:
 
     try:
         trio.run(partial(run, settings, handle_signals=True))
-    except ThunderproxyError as exc:
-        raise click.ClickException(exc.message) from None
+    except BaseException as exc:
+        error = _our_error(exc)
+        if error is None:
+            raise
+        raise click.ClickException(error.message) from None
 
 
 @cli.command()
-@DB_OPTION
+@settings_options([DB])
 @click.option("--list", "list_only", is_flag=True, help="Only list migrations and their state.")
 def migrate(db: str, list_only: bool) -> None:
     """Apply the audit db's pending schema migrations (serve does this at startup too)."""
@@ -102,7 +112,7 @@ def migrate(db: str, list_only: bool) -> None:
 
 
 @cli.command()
-@click.argument("db", default="thunderproxy.db", envvar="THUNDERPROXY_DB")
+@click.argument("db", default=DB.default, envvar=DB.envvar)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
 @click.option(
     "--port", default=8301, show_default=True, type=int, help="TCP port (0: any free port)."
@@ -110,8 +120,8 @@ def migrate(db: str, list_only: bool) -> None:
 def explore(db: str, host: str, port: int) -> None:
     """Browse an audit db with Datasette, read-only, at /datasette/.
 
-    The same tables, views, canned queries and dashboard that `serve` mounts on its own port,
-    for a db copied off a server (copy its -wal file too if the proxy is still running). DB
+    The same tables, views, canned queries and dashboard that `serve` mounts on the proxy's
+    port, for a db copied off a server (copy its -wal file too if the proxy is still running). DB
     defaults to $THUNDERPROXY_DB, else thunderproxy.db.
 
     \b

@@ -1,18 +1,25 @@
-"""One error tree for the whole proxy; HTTP status codes are assigned only in http/errors.py.
+"""One error tree for the whole proxy, and one table (``ERRORS``, at the end) giving each class
+its HTTP status and OpenAI error type; http/errors.py renders them.
 
     ThunderproxyError
       ConfigError                   a setting or flag is wrong; raised before anything starts
       AuditError                    the SQLite audit db cannot be opened or migrated
+      NotReady                      still starting: backends have not answered /health (503)
       RequestError                  the client's request cannot be served as sent
         InvalidRequest              malformed JSON, wrong types (400)
+        Unauthorized                admin token missing or wrong (401)
+        NotFound                    no such route (404)
+        ModelNotFound               no backend serves the requested model (404, vLLM's shape)
+        MethodNotAllowed            the route exists, the method does not (405)
+        RequestTimeout              the body did not arrive within --client-timeout (408)
         PayloadTooLarge             body over the configured limit (413)
         HeadersTooLarge             request head over the configured limit (431)
-        Unauthorized                admin token missing or wrong (401)
       SchedulingError
         ProgramUnknown              a program id the registry does not know (404)
         ProfilingDisabled           /profiles asked while --no-profile (400)
-        QueueFull                   the wait for capacity would exceed the bound (429)
         ProgramReleased             the program was released while its request waited (409)
+        QueueFull                   the wait for capacity would exceed the bound (429)
+      ProxyStopping                 the proxy shut down before the call ended (503)
       BackendError                  the upstream could not answer properly
         NoBackendAvailable          no healthy backend to send to (503)
         BackendUnavailable          connection refused or reset (502)
@@ -24,43 +31,75 @@ Every message names the thing that failed and, where there is one, the remedy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ThunderproxyError(Exception):
     """Base of every error thunderproxy raises on purpose."""
 
-    #: OpenAI-style error ``type`` reported to clients.
-    error_type = "internal_error"
     #: OpenAI-style ``param`` the error is about, if any.
     param: str | None = None
-    #: The program the failed request belonged to, when known.
-    program_id: str | None = None
-    #: Set once the failure is in the audit log as a step, so it is not logged twice.
-    step_recorded = False
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, program_id: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         if param is not None:
             self.param = param
+        #: The program the failed request belonged to, when known.
+        self.program_id = program_id
 
 
 class ConfigError(ThunderproxyError):
     """A setting is invalid; the message names the setting and a valid value."""
 
-    error_type = "config_error"
-
 
 class AuditError(ThunderproxyError):
     """The audit database cannot be opened, migrated or written."""
 
-    error_type = "audit_error"
+
+class NotReady(ThunderproxyError):
+    """The proxy listens but does not serve LLM calls yet: its backends have not answered
+    /health (for at most --ready-timeout). Clients retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class RequestError(ThunderproxyError):
-    error_type = "invalid_request_error"
+    pass
 
 
 class InvalidRequest(RequestError):
+    pass
+
+
+class Unauthorized(RequestError):
+    pass
+
+
+class NotFound(RequestError):
+    pass
+
+
+class ModelNotFound(RequestError):
+    """No backend serves ``model``; the message lists what is served (vLLM's 404)."""
+
+    def __init__(self, model: str, served: Sequence[str]) -> None:
+        listed = ", ".join(served) if served else "none yet: the backends have not answered"
+        super().__init__(
+            f"The model `{model}` does not exist. Served models: {listed}.", param="model"
+        )
+        self.model = model
+
+
+class MethodNotAllowed(RequestError):
+    pass
+
+
+class RequestTimeout(RequestError):
     pass
 
 
@@ -72,54 +111,48 @@ class HeadersTooLarge(RequestError):
     pass
 
 
-class Unauthorized(RequestError):
-    error_type = "authentication_error"
-
-
 class SchedulingError(ThunderproxyError):
-    error_type = "scheduling_error"
+    pass
 
 
 class ProgramUnknown(SchedulingError):
-    error_type = "not_found_error"
-
     def __init__(self, program_id: str) -> None:
         super().__init__(
             f"Program {program_id!r} is not tracked; GET /programs lists the known programs.",
             param="program_id",
+            program_id=program_id,
         )
-        self.program_id: str | None = program_id
 
 
 class ProfilingDisabled(SchedulingError):
-    error_type = "invalid_request_error"
-
     def __init__(self) -> None:
         super().__init__("Profiling is disabled; start thunderproxy with --profile to enable it.")
 
 
 class QueueFull(SchedulingError):
-    error_type = "rate_limit_error"
-
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, retry_after_s: float, program_id: str | None = None
+    ) -> None:
+        super().__init__(message, program_id=program_id)
         self.retry_after_s = retry_after_s
 
 
 class ProgramReleased(SchedulingError):
-    error_type = "conflict_error"
+    pass
+
+
+class ProxyStopping(ThunderproxyError):
+    """The proxy is shutting down and ended a call it could not finish within the grace."""
 
 
 class BackendError(ThunderproxyError):
-    error_type = "backend_error"
-
     def __init__(self, message: str, *, backend: str | None = None) -> None:
         super().__init__(message)
         self.backend = backend
 
 
 class NoBackendAvailable(BackendError):
-    error_type = "service_unavailable"
+    pass
 
 
 class BackendUnavailable(BackendError):
@@ -127,8 +160,46 @@ class BackendUnavailable(BackendError):
 
 
 class BackendTimeout(BackendError):
-    error_type = "timeout_error"
+    pass
 
 
 class BackendProtocolError(BackendError):
     pass
+
+
+#: Every error class the proxy answers with: (HTTP status, OpenAI error ``type``). Subclasses
+#: not listed take their nearest listed ancestor's entry.
+ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
+    ThunderproxyError: (500, "internal_error"),
+    InvalidRequest: (400, "invalid_request_error"),
+    ProfilingDisabled: (400, "invalid_request_error"),
+    Unauthorized: (401, "authentication_error"),
+    NotFound: (404, "not_found_error"),
+    # vLLM's own answer for a model it does not serve.
+    ModelNotFound: (404, "NotFoundError"),
+    ProgramUnknown: (404, "not_found_error"),
+    MethodNotAllowed: (405, "invalid_request_error"),
+    RequestTimeout: (408, "timeout_error"),
+    ProgramReleased: (409, "conflict_error"),
+    PayloadTooLarge: (413, "invalid_request_error"),
+    QueueFull: (429, "rate_limit_error"),
+    HeadersTooLarge: (431, "invalid_request_error"),
+    ConfigError: (500, "config_error"),
+    AuditError: (500, "audit_error"),
+    BackendError: (502, "backend_error"),
+    BackendUnavailable: (502, "backend_error"),
+    BackendProtocolError: (502, "backend_error"),
+    NoBackendAvailable: (503, "service_unavailable"),
+    NotReady: (503, "service_unavailable"),
+    ProxyStopping: (503, "service_unavailable"),
+    BackendTimeout: (504, "timeout_error"),
+}
+
+
+def describe(error: ThunderproxyError) -> tuple[int, str]:
+    """``(status, type)`` of ``error``, from :data:`ERRORS`."""
+    for cls in type(error).__mro__:
+        entry = ERRORS.get(cls)
+        if entry is not None:
+            return entry
+    return ERRORS[ThunderproxyError]

@@ -1,8 +1,10 @@
 """``run``: the one nursery that owns every long-lived task of a proxy run.
 
-Start order: (embedded simulator) -> audit writer -> metrics poller -> resume monitor -> HTTP.
-Each reports readiness through ``task_status.started()``, so the port opens only once the audit
-log is migrated and the backends have been polled once.
+Before anything starts, the port is bound and the audit db path checked, so a busy port or an
+unwritable ``--db`` is one clear error rather than a half-started proxy. Then: (embedded
+simulator) -> audit writer -> HTTP, listening at once -> wait for the backends' /health
+(LLM calls are answered 503 meanwhile) -> metrics poller -> resume monitor -> ready. Each
+reports readiness through ``task_status.started()``; ``run`` itself reports once traffic flows.
 
 Stop order, on SIGINT/SIGTERM or ``shutdown.set()``: Hypercorn stops accepting and drains
 in-flight requests for up to ``shutdown_grace`` seconds; then the pollers are cancelled, the audit
@@ -11,8 +13,11 @@ channel is closed, and the writer flushes every accepted row before the nursery 
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -25,17 +30,28 @@ from hypercorn.trio import serve
 from . import __version__
 from .audit import AuditLog, serve_audit_writer
 from .audit.records import TransitionRecord
-from .backends import open_backend_pool
+from .audit.writer import check_database_path
+from .backends import BackendPool, open_backend_pool
 from .backends.poller import serve_metrics_poller, wait_until_ready
 from .clock import WallClock
 from .config import Settings
+from .errors import ConfigError
 from .explore import mount_datasette
+from .gateway import Gateway
 from .http.app import Services, create_app
+from .http.readiness import Readiness
 from .jobs import open_council, serve_council
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
-from .scheduling import Scheduler
+from .scheduling import Scheduler, policy_named
 from .scheduling.scheduler import serve_resume_monitor
+from .worker import (
+    WorkerMiddleware,
+    WorkerState,
+    serve_worker,
+    signals_from_services,
+    worker_config,
+)
 
 log = logging.getLogger("thunderproxy")
 
@@ -48,12 +64,47 @@ class RunningProxy:
     services: Services
     audit: AuditLog
     shutdown: trio.Event
+    #: Worker mode's live state (docs/WORKER.md); None when worker mode is off.
+    worker: WorkerState | None = None
 
 
-def hypercorn_config(settings: Settings) -> HypercornConfig:
+#: Hundreds of agents may connect at once; a backlog of 100 (hypercorn's) resets the rest.
+BACKLOG = 4096
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The proxy's listening socket, bound before anything else starts; a port that cannot be
+    had is a ConfigError that names it and the remedy."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            remedy = "stop the process that holds it or pass --port with a free port (0: any)"
+            problem = "is already in use"
+        elif exc.errno == errno.EACCES:
+            remedy = "pass --port 1024 or higher (lower ports need privileges)"
+            problem = "cannot be opened (permission denied)"
+        else:
+            remedy = "pass --host with an address of this machine, e.g. 127.0.0.1 or 0.0.0.0"
+            problem = f"cannot be opened ({exc.strerror or exc})"
+        raise ConfigError(f"Port {port} on {host} {problem}; {remedy}.") from None
+    sock.setblocking(False)
+    return sock
+
+
+def hypercorn_config(settings: Settings, listener: socket.socket | None = None) -> HypercornConfig:
     config = HypercornConfig()
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    config.bind = [f"{host}:{settings.port}"]
+    if listener is not None:
+        # Hypercorn takes over the socket bound at startup: the fd is its to close now.
+        config.bind = [f"fd://{listener.detach()}"]
+    else:
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        config.bind = [f"{host}:{settings.port}"]
     config.graceful_timeout = settings.shutdown_grace
     config.accesslog = None
     config.errorlog = logging.getLogger("thunderproxy.http")
@@ -61,8 +112,10 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     # whose request is incomplete as idle) and again for its body (Quart's BODY_TIMEOUT).
     config.keep_alive_timeout = settings.client_timeout
     config.h11_max_incomplete_size = settings.max_header_bytes
-    # Hundreds of agents may connect at once; hypercorn's default backlog of 100 resets the rest.
-    config.backlog = 4096
+    config.backlog = BACKLOG
+    if settings.certfile:
+        config.certfile = settings.certfile
+        config.keyfile = settings.keyfile
     return config
 
 
@@ -141,6 +194,18 @@ async def _restore_programs(registry: ProgramRegistry, db: str, clock: WallClock
         log.info("restored %d programs from %s", len(found), db)
 
 
+async def _wait_for_backends(pool: BackendPool, limit_s: float) -> None:
+    with trio.move_on_after(limit_s) as waiting:
+        await wait_until_ready(pool)
+    if waiting.cancelled_caught:
+        log.warning(
+            "backends not ready after %.0f s: %s; serving anyway (their requests fail "
+            "with 503 until they answer /health)",
+            limit_s,
+            ", ".join(b.url for b in pool if not b.healthy),
+        )
+
+
 async def run(
     settings: Settings,
     *,
@@ -148,17 +213,29 @@ async def run(
     handle_signals: bool = False,
     task_status: trio.TaskStatus[RunningProxy] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the proxy until ``shutdown`` is set (or a signal arrives, with ``handle_signals``)."""
+    """Run the proxy until ``shutdown`` is set (or a signal arrives, with ``handle_signals``).
+
+    The port opens as soon as the audit db is ready; ``task_status.started()`` comes once the
+    backends answered /health (or ``ready_timeout`` passed) and LLM calls are served."""
     shutdown = shutdown or trio.Event()
+    # Everything a newcomer can get wrong is checked before anything starts (simulator too).
+    listener = bind_listener(settings.host, settings.port)
+    try:
+        await trio.to_thread.run_sync(check_database_path, settings.db)
+    except BaseException:
+        listener.close()
+        raise
     background = Background()
     clock = WallClock()
     pool_ctx = open_backend_pool(
-        settings.backends,
         connect_timeout=settings.connect_timeout,
         max_connections=settings.max_connections,
+        aliases=settings.aliases,
     )
-    with trio.CancelScope() as force:
+    with trio.CancelScope() as force, listener:
         async with pool_ctx as pool, trio.open_nursery() as nursery:
+            for spec in settings.backend_specs:
+                pool.add(spec.url, models=spec.models)
             if not settings.backends:
                 pool.add(await _embedded_simulator(nursery, background))
             run_info = {
@@ -180,41 +257,34 @@ async def run(
                 await _restore_programs(registry, settings.db, clock)
             profiles = Profiles()
             scheduler = Scheduler(
-                mode=settings.router,
+                policy=policy_named(settings.router, settings.policy),
                 registry=registry,
                 pool=pool,
                 audit=audit,
+            )
+            gateway = Gateway(
+                pool=pool,
+                scheduler=scheduler,
+                audit=audit,
                 profiles=profiles,
-                config=settings.policy(),
+                first_byte_timeout=settings.first_byte_timeout,
+                read_timeout=settings.read_timeout,
             )
-            with trio.move_on_after(settings.ready_timeout) as waiting:
-                await wait_until_ready(pool)
-            if waiting.cancelled_caught:
+            worker_cfg = worker_config(settings, os.environ)
+            worker = None if worker_cfg is None else WorkerState(worker_cfg, audit.record)
+            if worker_cfg is not None and worker_cfg.unsecured:
                 log.warning(
-                    "backends not ready after %.0f s: %s; serving anyway (their requests fail "
-                    "with 503 until they answer /health)",
-                    settings.ready_timeout,
-                    ", ".join(b.url for b in pool if not b.healthy),
+                    "worker mode with --unsecured: requests are NOT checked for the "
+                    "autoscaler's signature; anyone who can reach this port can use it. "
+                    "For local development only."
                 )
-            await nursery.start(
-                _in_scope,
-                background,
-                partial(
-                    serve_metrics_poller,
-                    pool,
-                    registry,
-                    audit,
-                    interval=settings.metrics_interval,
-                    metrics=settings.metrics,
-                ),
-            )
-            await nursery.start(
-                _in_scope,
-                background,
-                partial(serve_resume_monitor, scheduler, interval=settings.monitor_interval),
-            )
+            readiness = Readiness(lambda: [b.url for b in pool if not b.healthy])
             services = Services(
-                settings=settings, scheduler=scheduler, pool=pool, profiles=profiles, clock=clock
+                settings=settings,
+                gateway=gateway,
+                profiles=profiles,
+                clock=clock,
+                readiness=readiness,
             )
             if handle_signals:
                 nursery.start_soon(_stop_on_signals, shutdown, force, background)
@@ -223,11 +293,16 @@ async def run(
             async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 app = create_app(services)
                 app.register_blueprint(council.blueprint)
+
+                async def stopping() -> None:
+                    await shutdown.wait()
+                    gateway.stopping = True  # calls cut from now on are not the clients' doing
+
                 async with mount_datasette(app, settings) as served:
                     await serve(
-                        served,
-                        hypercorn_config(settings),
-                        shutdown_trigger=shutdown.wait,  # type: ignore[arg-type]
+                        served if worker is None else WorkerMiddleware(served, worker),  # type: ignore[arg-type]
+                        hypercorn_config(settings, listener),
+                        shutdown_trigger=stopping,  # type: ignore[arg-type]
                         task_status=task_status,
                     )
                 # Requests are drained: stop the pollers, then let the writer flush.
@@ -235,7 +310,48 @@ async def run(
                 await audit.aclose()
 
             binds: list[str] = await nursery.start(serve_http)
-            # Council jobs call the proxy's own URL, so it starts once the proxy listens.
+            log.info(
+                "accepting connections at %s; LLM calls get 503 until backends are ready", binds[0]
+            )
+            if worker is not None:
+                # Reports and the beacon run from now on; the worker waits for the backends
+                # itself, up to --worker-ready-timeout, and benchmarks them.
+                await nursery.start(
+                    _in_scope,
+                    background,
+                    partial(
+                        serve_worker,
+                        worker,
+                        pool,
+                        url=binds[0],
+                        signals=signals_from_services(services),
+                    ),
+                )
+            with background.scope():
+                # A stop while starting ends the wait at once.
+                if worker is None:
+                    await _wait_for_backends(pool, settings.ready_timeout)
+                await nursery.start(
+                    _in_scope,
+                    background,
+                    partial(
+                        serve_metrics_poller,
+                        pool,
+                        audit,
+                        interval=settings.metrics_interval,
+                        loads=registry.sample_loads,
+                        metrics=settings.metrics,
+                    ),
+                )
+                await nursery.start(
+                    _in_scope,
+                    background,
+                    partial(serve_resume_monitor, scheduler, interval=settings.monitor_interval),
+                )
+            if background.cancelled:
+                return
+            readiness.set_ready()
+            # Council jobs call the proxy's own URL: they start (or resume) once it serves.
             await nursery.start(
                 _in_scope,
                 background,
@@ -249,4 +365,4 @@ async def run(
                 ",".join(pool.urls),
                 settings.db,
             )
-            task_status.started(RunningProxy(binds[0], services, audit, shutdown))
+            task_status.started(RunningProxy(binds[0], services, audit, shutdown, worker))

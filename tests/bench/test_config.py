@@ -62,10 +62,10 @@ def test_real_time_proxies_keep_their_cooldowns_in_simulated_seconds() -> None:
     config = BenchConfig(proxy_settings={"pause_cooldown": 2.0})
     settings = config.settings("tr", scale=0.1)
     assert settings.router == "tr"
-    assert settings.pause_cooldown == pytest.approx(0.2)
+    assert settings.policy.pause_cooldown_s == pytest.approx(0.2)
     assert settings.metrics_interval == pytest.approx(0.5)
     assert settings.restore is False
-    assert config.settings("default").pause_cooldown == 2.0
+    assert config.settings("default").policy.pause_cooldown_s == 2.0
 
 
 def test_the_oracle_holds_every_token_and_the_others_the_asked_capacity() -> None:

@@ -8,6 +8,7 @@ import json
 import httpx
 import trio
 
+from thunderproxy.backends.asgi import EngineBackend
 from thunderproxy.bench.prompts import Conversation, Vocabulary, system_prompt
 from thunderproxy.bench.transport import HttpTransport, InProcessTransport, SSEResult
 from thunderproxy.bench.workload import StepSpec
@@ -65,8 +66,9 @@ async def test_http_and_in_process_calls_give_the_same_answers_and_cache_hits() 
     engine = Engine(CONFIG)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
+        backend = EngineBackend(engine, nursery, name="sim")
         local = InProcessTransport(
-            {"sim": engine}, scheduler=None, place=lambda _p: "sim", model="m"
+            {"sim": backend}, gateway=None, place=lambda _p: "sim", model=CONFIG.served_model_name
         )
         with trio.fail_after(30):
             in_process = await converse(local)

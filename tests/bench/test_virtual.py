@@ -183,7 +183,7 @@ def test_a_target_that_stops_making_progress_is_reported(
 ) -> None:
     monkeypatch.setattr("thunderproxy.bench.agent.STALL_S", 60.0)
     config = BenchConfig(virtual=True, concurrency=2, kv_tokens=200_000)
-    monkeypatch.setattr("thunderproxy.bench.transport.InProcessTransport._generate", _never_answers)
+    monkeypatch.setattr("thunderproxy.bench.transport.InProcessTransport._direct", _never_answers)
     with pytest.raises(BenchError, match="No call ended for 60 simulated seconds"):
         virtual.run(agents_workload.subset(1, 1), config, "direct")
 

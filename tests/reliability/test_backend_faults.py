@@ -187,7 +187,7 @@ async def test_start_waits_for_backends_to_be_ready(tmp_path: Path) -> None:
         nursery.start_soon(late_simulator)
         started = trio.current_time()
         proxy: RunningProxy = await nursery.start(partial(run, settings))
-        # The port opened only once the backend answered.
+        # run() reports started, and serves, only once the backend answered.
         assert trio.current_time() - started >= 1.0
         async with httpx.AsyncClient(base_url=proxy.url) as client:
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200

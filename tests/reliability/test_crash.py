@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from tests.conftest import query, running_proxy, spawn_serving
+from tests.conftest import query, running_proxy, spawn_serving, wait_for
 from thunderproxy.audit.writer import MAX_BATCH
 from thunderproxy.sim import SimConfig, open_simulator
 
@@ -21,6 +21,12 @@ AGENTS = 20
 async def start_proxy(backend: str, db: Path) -> tuple[trio.Process, str]:
     argv = [sys.executable, "-m", "thunderproxy", "serve", "--port", "0"]
     return await spawn_serving([*argv, "--backends", backend, "--db", str(db)])
+
+
+def count_steps(db: Path) -> int:
+    if not db.exists():
+        return 0
+    return int(query(db, "select count(*) as n from steps")[0]["n"])
 
 
 async def agents(client: httpx.AsyncClient, steps: int) -> None:
@@ -44,7 +50,8 @@ async def test_sigkill_loses_at_most_the_last_batch_and_restart_restores(tmp_pat
         try:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 await agents(client, steps=5)
-                await trio.sleep(0.5)  # the writer has long flushed these
+                # The writer flushes in batches: these rows are in the file before the kill.
+                await wait_for(lambda: count_steps(db) == AGENTS * 5, timeout=10)
                 await agents(client, steps=5)
             process.kill()  # SIGKILL right after the last response: no chance to flush
             await process.wait()

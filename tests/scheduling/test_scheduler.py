@@ -12,14 +12,13 @@ import pytest
 import trio
 
 from thunderproxy.audit import AuditLog, DecisionRecord
-from thunderproxy.audit.records import AuditRecord, StepRecord, TransitionRecord
+from thunderproxy.audit.records import AuditRecord, TransitionRecord
 from thunderproxy.backends import BackendPool, EngineSnapshot, open_backend_pool
 from thunderproxy.errors import ProgramReleased
 from thunderproxy.programs import ProgramRegistry, ProgramStatus, StepUsage
-from thunderproxy.programs.profile import Profiles
-from thunderproxy.scheduling import Scheduler
+from thunderproxy.scheduling import Scheduler, TrPolicy
 from thunderproxy.scheduling.policy import PolicyConfig
-from thunderproxy.scheduling.scheduler import StepOutcome, serve_resume_monitor
+from thunderproxy.scheduling.scheduler import StepLease, serve_resume_monitor
 
 B0, B1 = "http://b0", "http://b1"
 
@@ -62,21 +61,22 @@ class Harness:
         ]
 
     async def step(self, program_id: str, tokens: int, *, status: int = 200) -> None:
-        lease = await self.scheduler.begin_step(
-            program_id, arrived_at=trio.current_time(), context_chars=tokens * 4
-        )
+        lease = await begin(self.scheduler, program_id, arrived_at=trio.current_time(),
+                            context_chars=tokens * 4)  # fmt: skip
         usage = StepUsage(tokens - 100, 100, 0) if status == 200 else StepUsage()
-        self.scheduler.end_step(lease, outcome(status, usage))
+        end(self.scheduler, lease, status, usage)
 
 
-def outcome(status: int, usage: StepUsage | None = None) -> StepOutcome:
-    return StepOutcome(
-        status=status,
-        usage=usage or StepUsage(),
-        endpoint="/v1/chat/completions",
-        model="m",
-        stream=True,
-    )
+async def begin(
+    sched: Scheduler, program_id: str, *, arrived_at: float, context_chars: int
+) -> StepLease:
+    route = sched.pool.route(None)
+    return await sched.lease(program_id, route, arrived_at=arrived_at, context_chars=context_chars)
+
+
+def end(sched: Scheduler, lease: StepLease, status: int, usage: StepUsage | None = None) -> bool:
+    reason = "response complete" if status < 400 else f"request failed ({status})"
+    return sched.close(lease, usage or StepUsage(), reason=reason)
 
 
 CFG = PolicyConfig(
@@ -97,12 +97,10 @@ async def harness() -> AsyncIterator[Harness]:
     async with open_backend_pool([B0]) as pool:
         pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
         scheduler = Scheduler(
-            mode="tr",
+            policy=TrPolicy(CFG),
             registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
             pool=pool,
             audit=AuditLog(send, run_id=1),
-            profiles=Profiles(),
-            config=CFG,
         )
         yield Harness(scheduler, pool, receive)
 
@@ -121,16 +119,14 @@ async def test_every_outcome_ends_the_step(
 ) -> None:
     # Defect 1: a program left REASONING after a failed call is a phantom on the GPU.
     sched = harness.scheduler
-    lease = await sched.begin_step("p", arrived_at=0.0, context_chars=400)
+    lease = await begin(sched, "p", arrived_at=0.0, context_chars=400)
     assert sched.registry.get("p").status is ProgramStatus.REASONING
-    sched.end_step(lease, outcome(status, usage))
-    sched.end_step(lease, outcome(status, usage))  # a second close changes nothing
+    assert end(sched, lease, status, usage)
+    assert not end(sched, lease, status, usage)  # a second close changes nothing
     program = sched.registry.get("p")
     assert program.status is ProgramStatus.ACTING
     assert program.in_flight == 0
     assert sched.registry.load_by_backend()[B0].reasoning == 0
-    steps = [r for r in harness.records() if isinstance(r, StepRecord)]
-    assert [s.status for s in steps] == [status]
 
 
 async def test_over_capacity_pauses_an_idle_program_and_the_newcomer_queues(
@@ -210,15 +206,15 @@ async def test_releasing_a_paused_program_does_not_let_its_request_through(
 
 async def test_a_marked_program_is_paused_when_its_call_ends(harness: Harness) -> None:
     sched = harness.scheduler
-    first = await sched.begin_step("old", arrived_at=0.0, context_chars=6_000 * 4)
-    second = await sched.begin_step("young", arrived_at=0.0, context_chars=3_000 * 4)
+    first = await begin(sched, "old", arrived_at=0.0, context_chars=6_000 * 4)
+    second = await begin(sched, "young", arrived_at=0.0, context_chars=3_000 * 4)
     harness.pool.get(B0).snapshot = snapshot(8_000)  # type: ignore[union-attr]
     sched.rebalance(1.0)
     assert sched.registry.get("young").marked_for_pause
     assert not sched.registry.get("old").marked_for_pause
-    sched.end_step(second, outcome(200, StepUsage(3_000, 10, 0)))
+    end(sched, second, 200, StepUsage(3_000, 10, 0))
     assert sched.registry.get("young").status is ProgramStatus.PAUSED
-    sched.end_step(first, outcome(200, StepUsage(6_000, 10, 0)))
+    end(sched, first, 200, StepUsage(6_000, 10, 0))
 
 
 async def test_capacity_is_rediscovered_and_kept_when_a_poll_loses_it(harness: Harness) -> None:
@@ -234,7 +230,7 @@ async def test_capacity_is_rediscovered_and_kept_when_a_poll_loses_it(harness: H
     sched.rebalance(2.0)
     assert sched.registry.get("a").status is ProgramStatus.PAUSED
     backend.snapshot = replace(snapshot(10_000), capacity_tokens=None)
-    assert sched.backend_views()[0].capacity_tokens == 10_000
+    assert sched.source.backend_views()[0].capacity_tokens == 10_000
 
 
 async def test_preemptions_shrink_capacity_and_recovery_restores_it(harness: Harness) -> None:
@@ -245,19 +241,19 @@ async def test_preemptions_shrink_capacity_and_recovery_restores_it(harness: Har
     sched.tick()
     backend.snapshot = snapshot(10_000, preemptions=5)
     sched.tick()
-    assert sched.schedule_of(B0).capacity_factor == pytest.approx(0.9)
+    assert sched.schedule_of(B0).capacity.factor == pytest.approx(0.9)
     for _ in range(10):
         sched.tick()
-    assert sched.schedule_of(B0).capacity_factor == 1.0
+    assert sched.schedule_of(B0).capacity.factor == 1.0
 
 
 async def test_first_step_cached_tokens_teach_the_shared_prefix(harness: Harness) -> None:
     # Defect 6: the common system prompt is learned from what the backend reports.
     sched = harness.scheduler
     for i, cached in enumerate([1_024, 1_024, 992]):
-        lease = await sched.begin_step(f"p{i}", arrived_at=0.0, context_chars=8_000)
-        sched.end_step(lease, outcome(200, StepUsage(2_000, 10, cached)))
-    assert sched.schedule_of(B0).shared_prefix_tokens == 1_024
+        lease = await begin(sched, f"p{i}", arrived_at=0.0, context_chars=8_000)
+        end(sched, lease, 200, StepUsage(2_000, 10, cached))
+    assert sched.schedule_of(B0).shared_prefix.tokens == 1_024
 
 
 async def test_programs_of_a_dead_backend_move_to_a_live_one(harness: Harness) -> None:
@@ -268,7 +264,7 @@ async def test_programs_of_a_dead_backend_move_to_a_live_one(harness: Harness) -
     await harness.step("acting", 1_000)
     b0 = harness.pool.get(B0)
     assert b0 is not None
-    b0.mark_failed("test: killed")
+    b0.health.down("test: killed")
     await harness.step("acting", 1_000)
     assert sched.registry.get("acting").backend == B1
     assert ("migrate", "acting", "backend_unhealthy") in harness.decisions()

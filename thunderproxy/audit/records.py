@@ -3,11 +3,12 @@ into Unix seconds with the run's WallClock, so producers never touch the wall cl
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol
 
-from ..programs import Transition
+from ..programs import StepUsage, Transition
 
 ToUnix = Callable[[float], float]
 
@@ -47,6 +48,50 @@ class TransitionRecord:
         }
 
 
+class LeaseLike(Protocol):
+    """What a step row needs of the scheduler's lease (scheduling's StepLease)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def arrived_at(self) -> float: ...
+    @property
+    def sent_at(self) -> float: ...
+    @property
+    def tool_s(self) -> float | None: ...
+
+
+class DecisionLike(Protocol):
+    """What a decision row needs of a scheduling decision (scheduling.policy.Decision)."""
+
+    @property
+    def action(self) -> str: ...
+    @property
+    def program_id(self) -> str: ...
+    @property
+    def rule(self) -> str: ...
+    @property
+    def backend(self) -> str | None: ...
+    @property
+    def target_backend(self) -> str | None: ...
+    @property
+    def capacity_tokens(self) -> int | None: ...
+    @property
+    def used_tokens(self) -> int | None: ...
+    @property
+    def program_tokens(self) -> int | None: ...
+    @property
+    def idle_s(self) -> float | None: ...
+    @property
+    def waited_s(self) -> float | None: ...
+    @property
+    def queue_position(self) -> int | None: ...
+    @property
+    def detail(self) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One proxied LLM call, whatever its outcome."""
@@ -69,6 +114,78 @@ class StepRecord:
     cached_tokens: int | None
     status: int
     error: str | None = None
+
+    @classmethod
+    def from_outcome(
+        cls,
+        lease: LeaseLike,
+        *,
+        program_id: str,
+        backend: str,
+        endpoint: str,
+        model: str | None,
+        stream: bool,
+        usage: StepUsage,
+        status: int,
+        first_token_at: float | None,
+        finished_at: float,
+        error: str | None,
+    ) -> StepRecord:
+        """The row of a call that reached a backend (``lease`` is its scheduler lease)."""
+        return cls(
+            request_id=lease.request_id,
+            program_id=program_id,
+            step=lease.step,
+            backend=backend,
+            endpoint=endpoint,
+            model=model,
+            stream=stream,
+            arrived_at=lease.arrived_at,
+            sent_at=lease.sent_at,
+            first_token_at=first_token_at,
+            finished_at=finished_at,
+            tool_s=lease.tool_s,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            status=status,
+            error=error,
+        )
+
+    @classmethod
+    def never_sent(
+        cls,
+        *,
+        program_id: str,
+        step: int,
+        endpoint: str,
+        model: str | None,
+        stream: bool,
+        arrived_at: float,
+        finished_at: float,
+        status: int,
+        error: str,
+    ) -> StepRecord:
+        """The row of a call that ended while it waited for its program to be resumed."""
+        return cls(
+            request_id=f"{program_id}-queued",
+            program_id=program_id,
+            step=step,
+            backend=None,
+            endpoint=endpoint,
+            model=model,
+            stream=stream,
+            arrived_at=arrived_at,
+            sent_at=None,
+            first_token_at=None,
+            finished_at=finished_at,
+            tool_s=None,
+            prompt_tokens=None,
+            completion_tokens=None,
+            cached_tokens=None,
+            status=status,
+            error=error,
+        )
 
     @property
     def queue_s(self) -> float:
@@ -145,6 +262,24 @@ class DecisionRecord:
     waited_s: float | None
     queue_position: int | None
     detail: str | None
+
+    @classmethod
+    def from_decision(cls, decision: DecisionLike, at: float) -> DecisionRecord:
+        return cls(
+            at=at,
+            program_id=decision.program_id,
+            action=str(decision.action),
+            rule=decision.rule,
+            backend=decision.backend,
+            target_backend=decision.target_backend,
+            capacity_tokens=decision.capacity_tokens,
+            used_tokens=decision.used_tokens,
+            program_tokens=decision.program_tokens,
+            idle_s=decision.idle_s,
+            waited_s=decision.waited_s,
+            queue_position=decision.queue_position,
+            detail=json.dumps(decision.detail) if decision.detail else None,
+        )
 
     def row(self, to_unix: ToUnix) -> dict[str, Any]:
         return _stamped(self, to_unix)

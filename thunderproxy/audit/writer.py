@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import tempfile
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 import trio
 
 from ..clock import WallClock
-from ..errors import AuditError
+from ..errors import AuditError, ConfigError
 from . import migrations
 from .records import AuditRecord, ToUnix
 
@@ -69,19 +70,52 @@ class AuditLog:
         await self._send.aclose()
 
 
+def check_database_path(path: str) -> None:
+    """Refuse a ``--db`` that cannot become the audit db, before anything starts: a folder, a
+    path in a folder that does not exist (never created silently: a typo would scatter dbs),
+    a file or folder that cannot be written. Creates the file (0600) when it is missing."""
+    if path == ":memory:":
+        return
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ConfigError(
+            f"--db {path!r} is a directory; pass a file path such as "
+            f"{str(target / 'thunderproxy.db')!r}."
+        )
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise ConfigError(
+            f"--db {path!r}: the folder {str(folder)!r} {what}; create it first "
+            "or pass --db a path in an existing folder."
+        )
+    try:
+        # SQLite in WAL mode keeps <db>-wal and <db>-shm beside the db: the folder must take
+        # new files even when the db itself exists.
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"--db {path!r}: the folder {str(folder)!r} is not writable ({exc.strerror}); "
+            "SQLite writes its -wal and -shm files beside the db. Pass --db a path in a "
+            "writable folder."
+        ) from None
+    try:
+        # Created 0600: the log names programs and backends; it is nobody else's business.
+        os.close(os.open(target, os.O_CREAT | os.O_RDWR, 0o600))
+    except OSError as exc:
+        raise ConfigError(
+            f"--db {path!r} cannot be written ({exc.strerror}); make it writable or pass "
+            "--db another file."
+        ) from None
+
+
 def open_database(path: str) -> sqlite3.Connection:
     """Open (creating it user-only readable) and migrate the audit db, in WAL mode."""
-    if path != ":memory:":
-        target = Path(path)
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # Created 0600: the log names programs and backends; it is nobody else's business.
-            os.close(os.open(target, os.O_CREAT | os.O_RDWR, 0o600))
-        except OSError as exc:
-            raise AuditError(
-                f"Cannot create the audit db {path!r}: {exc.strerror}; pass --db with a "
-                "writable path."
-            ) from exc
+    try:
+        check_database_path(path)
+    except ConfigError as exc:
+        raise AuditError(exc.message) from None
     try:
         # Successive to_thread calls may run on different worker threads; only the writer task
         # ever uses this connection, so sharing it across threads is safe.

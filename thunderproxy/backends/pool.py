@@ -1,118 +1,165 @@
-"""The backend pool: one long-lived ``httpx.AsyncClient`` per backend (never one per request),
-health as the metrics poller last saw it, and the one boundary where httpx errors become ours."""
+"""The backends of one run and the model groups they form.
+
+A :class:`BackendNode` is one server as the proxy tracks it: how it is reached (a
+:class:`~.base.Backend`), its health, its latest metrics, the models it serves. The
+:class:`BackendPool` holds them and answers which nodes serve a model: each public model name
+(a served name, or an alias from the config file) resolves to a group, and a call goes only to
+nodes of its group.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
-import httpx
-import trio
-
-from ..errors import (
-    BackendError,
-    BackendProtocolError,
-    BackendTimeout,
-    BackendUnavailable,
-    NoBackendAvailable,
-)
+from ..errors import ModelNotFound, NoBackendAvailable
+from ..urls import redact_url
+from .base import Backend
+from .health import Health
+from .http import HttpBackend
 from .metrics import EngineSnapshot
-
-#: Consecutive request timeouts after which a backend is treated as down until it answers again.
-FAILURES_BEFORE_UNHEALTHY = 3
 
 
 @dataclass
-class Backend:
+class BackendNode:
+    #: The backend's URL with any credentials removed: how it is shown, logged and stored.
     url: str
-    client: httpx.AsyncClient
-    #: Optimistic until a poll or a request says otherwise, so the first request is not refused.
-    healthy: bool = True
+    backend: Backend
+    health: Health = field(default_factory=Health)
     snapshot: EngineSnapshot | None = None
-    last_error: str | None = None
     last_poll_at: float | None = None
     in_flight: int = 0
-    #: Consecutive failed requests; reset by any success.
-    failures: int = field(default=0)
+    #: Served model names: from the config file, else from the backend's /v1/models (None
+    #: until known; such a node is taken to serve any model, as a lone backend does).
+    models: frozenset[str] | None = None
+    #: True when ``models`` came from the config file, so polls do not replace them.
+    models_configured: bool = False
+    #: The backend's own ``/v1/models`` entries, by id, as its last poll returned them.
+    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def mark_failed(self, error: str) -> None:
-        """The backend is down (refused a connection, failed its health check)."""
-        self.healthy = False
-        self.last_error = error
-        self.failures += 1
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
 
-    def record_failure(self, error: str) -> None:
-        """A request failed in a way one slow request can explain (a timeout): only several in
-        a row take the backend out of placement."""
-        self.failures += 1
-        self.last_error = error
-        if self.failures >= FAILURES_BEFORE_UNHEALTHY:
-            self.healthy = False
-
-    def mark_ok(self) -> None:
-        self.healthy = True
-        self.failures = 0
-        self.last_error = None
+    @property
+    def last_error(self) -> str | None:
+        return self.health.last_error
 
     @property
     def capacity_tokens(self) -> int | None:
         return None if self.snapshot is None else self.snapshot.capacity_tokens
 
+    def serves(self, model: str | None) -> bool:
+        return model is None or self.models is None or model in self.models
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a call for a public model name may go: the served name to send, and the nodes."""
+
+    requested: str | None
+    served: str | None
+    nodes: tuple[BackendNode, ...]
+
+    @property
+    def urls(self) -> frozenset[str]:
+        return frozenset(n.url for n in self.nodes)
+
 
 class BackendPool:
-    """The backends of one run, each with its own client; open with :func:`open_backend_pool`."""
+    """The backends of one run; open with :func:`open_backend_pool`."""
 
-    def __init__(self, *, connect_timeout: float = 10.0, max_connections: int = 1024) -> None:
-        self.backends: dict[str, Backend] = {}
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 10.0,
+        max_connections: int = 1024,
+        aliases: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        self.nodes: dict[str, BackendNode] = {}
+        self.aliases: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in (aliases or {}).items()}
         self._connect_timeout = connect_timeout
         self._max_connections = max_connections
 
-    def add(self, url: str) -> Backend:
-        client = httpx.AsyncClient(
-            base_url=url,
-            # Read and first-byte budgets are enforced by the proxy with trio deadlines,
-            # because a long prefill and a silent mid-stream gap need different limits.
-            timeout=httpx.Timeout(None, connect=self._connect_timeout),
-            limits=httpx.Limits(
-                max_connections=self._max_connections,
-                max_keepalive_connections=self._max_connections,
-                keepalive_expiry=30.0,
-            ),
-            follow_redirects=False,
+    def add(self, url: str, *, models: Sequence[str] | None = None) -> BackendNode:
+        """Track the HTTP backend at ``url`` (with one shared client)."""
+        backend = HttpBackend(
+            url, connect_timeout=self._connect_timeout, max_connections=self._max_connections
         )
-        backend = self.backends[url] = Backend(url=url, client=client)
-        return backend
+        return self.attach(backend.name, backend, models=models)
+
+    def attach(
+        self, name: str, backend: Backend, *, models: Sequence[str] | None = None
+    ) -> BackendNode:
+        """Track any :class:`Backend` under ``name``."""
+        node = BackendNode(url=redact_url(name), backend=backend)
+        if models is not None:
+            node.models = frozenset(models)
+            node.models_configured = True
+        self.nodes[node.url] = node
+        return node
 
     async def aclose(self) -> None:
-        with trio.CancelScope(shield=True):
-            for backend in self.backends.values():
-                await backend.client.aclose()
+        for node in self.nodes.values():
+            close = getattr(node.backend, "aclose", None)
+            if close is not None:
+                await close()
 
-    def __iter__(self) -> Iterator[Backend]:
-        return iter(self.backends.values())
+    def __iter__(self) -> Iterator[BackendNode]:
+        return iter(self.nodes.values())
 
     def __len__(self) -> int:
-        return len(self.backends)
+        return len(self.nodes)
 
     @property
     def urls(self) -> list[str]:
-        return list(self.backends)
+        return list(self.nodes)
 
-    def get(self, url: str | None) -> Backend | None:
-        return None if url is None else self.backends.get(url)
+    def get(self, url: str | None) -> BackendNode | None:
+        return None if url is None else self.nodes.get(url)
 
-    def healthy(self) -> list[Backend]:
-        return [b for b in self.backends.values() if b.healthy]
+    def healthy(self) -> list[BackendNode]:
+        return [n for n in self.nodes.values() if n.healthy]
 
-    def first_healthy(self) -> Backend:
+    def first_healthy(self) -> BackendNode:
         healthy = self.healthy()
         if not healthy:
             raise NoBackendAvailable(
                 "No healthy backend: every backend failed its last health check "
-                f"({', '.join(self.backends) or 'none configured'}); check that they are running."
+                f"({', '.join(self.nodes) or 'none configured'}); check that they are running."
             )
         return healthy[0]
+
+    # -- model groups ---------------------------------------------------------------------------
+
+    def served_models(self, *, healthy_only: bool = True) -> list[str]:
+        """Every model name a (healthy) node serves, then the aliases that reach one, sorted
+        within each kind."""
+        names: set[str] = set()
+        for node in self.nodes.values():
+            if node.models is not None and (node.healthy or not healthy_only):
+                names |= node.models
+        aliases = {a for a, targets in self.aliases.items() if any(t in names for t in targets)}
+        return sorted(names) + sorted(aliases - names)
+
+    def route(self, model: str | None) -> Route:
+        """The group for ``model``. Raises :class:`ModelNotFound` when no node serves it (nor any
+        of an alias's targets), listing what is served."""
+        if model is None:
+            return Route(None, None, tuple(self.nodes.values()))
+        groups = [
+            (served, tuple(n for n in self.nodes.values() if n.serves(served)))
+            for served in self.aliases.get(model, (model,))
+        ]
+        groups = [(served, nodes) for served, nodes in groups if nodes]
+        if not groups:
+            raise ModelNotFound(model, self.served_models(healthy_only=False))
+        # An alias's first target with a healthy node; else its first target at all (the call
+        # then fails as that group's backends do, naming them).
+        served, nodes = next(((s, ns) for s, ns in groups if any(n.healthy for n in ns)), groups[0])
+        return Route(model, served, nodes)
 
 
 @asynccontextmanager
@@ -121,54 +168,15 @@ async def open_backend_pool(
     *,
     connect_timeout: float = 10.0,
     max_connections: int = 1024,
+    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> AsyncIterator[BackendPool]:
-    """A pool with one client per URL (more may be added); every client is closed on exit."""
-    pool = BackendPool(connect_timeout=connect_timeout, max_connections=max_connections)
+    """A pool with one HTTP backend per URL (more may be added); every one closed on exit."""
+    pool = BackendPool(
+        connect_timeout=connect_timeout, max_connections=max_connections, aliases=aliases
+    )
     try:
         for url in urls:
             pool.add(url)
         yield pool
     finally:
         await pool.aclose()
-
-
-@contextmanager
-def map_httpx_errors(backend: str) -> Iterator[None]:
-    """Translate httpx and trio timeout errors into the BackendError tree, naming the backend."""
-    try:
-        yield
-    except trio.TooSlowError:
-        raise BackendTimeout(
-            f"Backend {backend} did not answer in time; it may be overloaded or hung "
-            "(see --first-byte-timeout and --read-timeout).",
-            backend=backend,
-        ) from None
-    except httpx.TimeoutException as exc:
-        raise BackendTimeout(
-            f"Backend {backend} timed out ({type(exc).__name__}); check that it is running.",
-            backend=backend,
-        ) from exc
-    except (
-        httpx.ConnectError,
-        httpx.RemoteProtocolError,
-        httpx.ReadError,
-        httpx.WriteError,
-    ) as exc:
-        raise BackendUnavailable(
-            f"Backend {backend} is unreachable or dropped the connection ({type(exc).__name__}: "
-            f"{exc}); check that it is running.",
-            backend=backend,
-        ) from exc
-    except httpx.HTTPError as exc:
-        raise BackendProtocolError(
-            f"Backend {backend} failed: {type(exc).__name__}: {exc}", backend=backend
-        ) from exc
-
-
-__all__ = [
-    "Backend",
-    "BackendError",
-    "BackendPool",
-    "map_httpx_errors",
-    "open_backend_pool",
-]

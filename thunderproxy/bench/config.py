@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import Settings, load_settings
+from ..config import SETTINGS, Settings, load_settings
 from ..errors import ConfigError
 from ..sim import PROFILES, SimConfig
 from .agent import ARRIVALS, Schedule
@@ -112,7 +112,7 @@ def parse_sim_settings(pairs: Sequence[str]) -> dict[str, Any]:
 
 def parse_settings(pairs: Sequence[str]) -> dict[str, Any]:
     """``--set NAME=VALUE`` pairs into thunderproxy settings, typed like their defaults."""
-    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
+    defaults = {s.name: s.default for s in SETTINGS}
     out: dict[str, Any] = {}
     for pair in pairs:
         name, sep, raw = pair.partition("=")
@@ -245,7 +245,7 @@ class BenchConfig:
         values = {**self.proxy_settings}
         base = Settings()
         for name in TIME_SETTINGS:
-            values[name] = float(values.get(name, getattr(base, name))) * scale
+            values[name] = float(values.get(name, base.value(name))) * scale
         values.update(router=PROXY_ROUTERS[target], restore=False, **overrides)
         return load_settings(values)
 

@@ -86,7 +86,7 @@ async def run_demo(
     bench = dataclasses.replace(bench, kv_tokens=kv)
     sim_config: SimConfig = bench.sim_config(workload, "tr", time_scale=config.time_scale)
     base = load_settings()
-    scaled = {name: getattr(base, name) * config.time_scale for name in TIME_SETTINGS}
+    scaled = {name: base.value(name) * config.time_scale for name in TIME_SETTINGS}
     async with trio.open_nursery() as outer:
         sim_url: str = await outer.start(
             partial(serve_simulator, sim_config, host="127.0.0.1", port=0)

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import trio
 
-from ..config import SETTINGS_BY_NAME, Settings
+from ..config import SETTINGS, Settings
 from ..sim import SimConfig
 from . import figures
 from .agent import Agents, BenchError, Progress, sticky_round_robin
@@ -90,16 +90,15 @@ def sim_argv(config: SimConfig, *, port: int) -> list[str]:
 def serve_argv(settings: Settings) -> list[str]:
     """``thunderproxy serve`` flags for every setting that differs from its default."""
     argv = thunderproxy_argv("serve")
-    default = Settings()
-    for f in dataclasses.fields(Settings):
-        value = getattr(settings, f.name)
+    for item in SETTINGS:
+        value = item.get(settings)
         # The router is always named: a benchmark must not change meaning with a default.
-        if value == getattr(default, f.name) and f.name not in ("host", "port", "router"):
+        if value == item.default and item.name not in ("host", "port", "router"):
             continue
-        flag = SETTINGS_BY_NAME[f.name].flag
+        flag = item.flag
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
-        elif f.name == "backends":
+        elif item.name == "backends":
             argv += [flag, ",".join(value)]
         else:
             argv += [flag, str(value)]

@@ -3,25 +3,24 @@
 - :class:`HttpTransport`: OpenAI-compatible streaming chat completions over HTTP, to a backend
   directly or to a proxy (thunderproxy or any other). Through a proxy each call carries
   ``extra_body.program_id`` and a program ends with ``POST /programs/release``.
-- :class:`InProcessTransport`: the virtual-time path. Calls go through the real ``Scheduler``
-  (``begin_step``/``end_step``, as ``http/proxy.py`` does) or, for ``direct``, straight to a
-  simulator ``Engine`` with ``Engine.submit``. No sockets, so a MockClock can drive it.
+- :class:`InProcessTransport`: the virtual-time path. Calls go through the real call gateway,
+  as the proxy's HTTP routes do, or, for ``direct``, straight to a backend; the backends are
+  the simulator in-process (``EngineBackend``). No sockets, so a MockClock can drive it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
 import trio
 
-from ..errors import ProgramUnknown, ThunderproxyError
-from ..programs import StepUsage
-from ..scheduling import Scheduler
-from ..scheduling.scheduler import StepLease, StepOutcome
-from ..sim import Engine, EngineDeadError, QueueFullError
+from ..backends import Backend, UpstreamRequest
+from ..errors import ProgramUnknown, ThunderproxyError, describe
+from ..gateway import Call, Gateway
+from ..http.sse import OPENAI
 from ..sim.tokenizer import Tokenizer
 from .agent import CallResult
 from .prompts import Conversation
@@ -169,116 +168,98 @@ class HttpTransport:
 
 
 class InProcessTransport:
-    """Calls on the virtual clock: through the real Scheduler (``scheduler`` set) or direct."""
+    """Calls on the virtual clock, over in-process backends: through the real call gateway
+    (``gateway`` set: the proxy targets) or straight to a backend (``direct``). No sockets, so a
+    MockClock can drive it; the bytes are the ones a backend sends over HTTP."""
 
     def __init__(
         self,
-        engines: Mapping[str, Engine],
+        backends: Mapping[str, Backend],
         *,
-        scheduler: Scheduler | None,
+        gateway: Gateway | None,
         place: Callable[[str], str],
         model: str,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
-        self.engines = engines
-        self.scheduler = scheduler
+        self.backends = backends
+        self.gateway = gateway
         self.place = place
         self.model = model
+        self.tokenizer = tokenizer or Tokenizer()
 
     async def call(
         self, program_id: str, step: int, conversation: Conversation, max_tokens: int
     ) -> CallResult:
-        scheduler = self.scheduler
-        lease: StepLease | None = None
-        arrived_at = trio.current_time()
-        if scheduler is not None:
-            try:
-                lease = await scheduler.begin_step(
-                    program_id, arrived_at=arrived_at, context_chars=conversation.chars
-                )
-            except ThunderproxyError as exc:
-                return CallResult(503, error=exc.message)
-            url = lease.backend.url
-        else:
-            url = self.place(program_id)
-        result = CallResult(499, error="cancelled")
+        body = request_body(conversation, model=self.model, max_tokens=max_tokens, program_id=None)
+        if self.gateway is None:
+            return await self._direct(program_id, step, body)
+        call = Call(
+            program_id=program_id,
+            endpoint=ENDPOINT,
+            body=body,
+            wire=OPENAI,
+            arrived_at=trio.current_time(),
+            model=self.model,
+            stream=True,
+            context_chars=conversation.chars,
+        )
         try:
-            result = await self._generate(
-                self.engines[url], program_id, step, conversation, max_tokens
-            )
-        finally:
-            if scheduler is not None and lease is not None:
-                scheduler.end_step(
-                    lease,
-                    StepOutcome(
-                        status=result.status,
-                        usage=StepUsage(
-                            result.prompt_tokens, result.completion_tokens, result.cached_tokens
-                        ),
-                        endpoint=ENDPOINT,
-                        model=self.model,
-                        stream=True,
-                        first_token_at=result.first_token_at,
-                        error=result.error,
-                    ),
-                )
-        return result
+            async with self.gateway.call(call) as exchange:
+                if exchange.status_code != 200:
+                    raw = await exchange.read()
+                    return CallResult(
+                        exchange.status_code, error=raw[:300].decode("utf-8", "replace")
+                    )
+                return await self._result(exchange.stream())
+        except ThunderproxyError as exc:
+            return CallResult(describe(exc)[0], error=exc.message)
 
-    async def _generate(
-        self,
-        engine: Engine,
-        program_id: str,
-        step: int,
-        conversation: Conversation,
-        max_tokens: int,
-    ) -> CallResult:
-        prompt = conversation.prompt_ids()
-        limit = engine.config.max_model_len
-        if len(prompt) >= limit:
-            return CallResult(400, error=f"prompt of {len(prompt)} tokens >= max_model_len {limit}")
+    async def _direct(self, program_id: str, step: int, body: dict[str, Any]) -> CallResult:
+        backend = self.backends[self.place(program_id)]
+        request = UpstreamRequest(
+            "POST",
+            ENDPOINT,
+            [("content-type", "application/json"), ("x-request-id", f"{program_id}-{step}")],
+            json.dumps(body).encode(),
+        )
+        response = await backend.send(request)
         try:
-            handle = engine.submit(
-                prompt,
-                max_tokens=min(max_tokens, limit - len(prompt)),
-                request_id=f"{program_id}-{step}",
-                program=program_id,
-                ignore_eos=True,
-            )
-        except EngineDeadError as exc:
-            return CallResult(500, error=str(exc))
-        except QueueFullError as exc:
-            return CallResult(503, error=f"engine queue full ({exc})")
-        ids: list[int] = []
-        texts: list[str] = []
-        first: float | None = None
-        last = None
-        try:
-            async for output in handle:
-                if output.token_ids and first is None:
-                    first = trio.current_time()
-                ids.extend(output.token_ids)
-                texts.append(output.text)
-                last = output
+            if response.status_code != 200:
+                raw = await response.aread()
+                return CallResult(response.status_code, error=raw[:300].decode("utf-8", "replace"))
+            return await self._result(response.aiter_raw())
         finally:
-            if not handle.finished:
-                engine.abort(handle.request_id)
-        if last is None or last.finish_reason in ("error", "abort"):
-            reason = "no output" if last is None else last.finish_reason
-            error = f"engine ended the request: {reason}"
-            return CallResult(500, first_token_at=first, error=error)
+            await response.aclose()
+
+    async def _result(self, chunks: AsyncIterator[bytes]) -> CallResult:
+        sse = SSEResult()
+        first: float | None = None
+        pending = b""
+        async for chunk in chunks:
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                fed = line.startswith(b"data:") and sse.feed(line[5:].strip().decode())
+                if fed and first is None:
+                    first = trio.current_time()
+        if sse.error is not None:
+            return CallResult(500, first_token_at=first, error=sse.error)
+        text = "".join(sse.texts)
+        prompt, completion, cached = sse.usage_tokens()
         return CallResult(
             200,
-            text="".join(texts),
-            ids=ids,
-            prompt_tokens=last.num_prompt_tokens,
-            completion_tokens=last.num_output_tokens,
-            cached_tokens=last.num_cached_tokens,
+            text=text,
+            ids=self.tokenizer.encode(text),
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cached_tokens=cached,
             first_token_at=first,
         )
 
     async def release(self, program_id: str) -> None:
-        if self.scheduler is None:
+        if self.gateway is None:
             return
         try:
-            self.scheduler.release(program_id)
+            self.gateway.scheduler.release(program_id)
         except ProgramUnknown:
             pass  # retired by its idle lease already

@@ -1,16 +1,15 @@
-"""Virtual time: the real scheduler and the simulator engine in one trio run on a MockClock.
+"""Virtual time: the real gateway, scheduler and poller over the simulator in one trio run on
+a MockClock.
 
 No sockets and no threads, so ``MockClock(autojump_threshold=0)`` jumps straight to the next
 thing that happens: an hour of trace replays in seconds, identically every time. The pieces are
-the production ones, only wired without HTTP:
+the production ones, only wired without sockets:
 
-- a ``BackendPool`` whose backends are never connected to; each ``Backend.snapshot`` is
-  refreshed every ``metrics_interval`` from the engine's own Prometheus text through
-  ``backends.metrics.interpret``, so the same parsing feeds the same policy;
-- the real ``ProgramRegistry`` and ``Scheduler`` (router ``default`` or ``tr``) with
-  ``serve_resume_monitor``, and an ``AuditLog`` whose channel nobody writes to SQLite during
-  the run (its records are kept and stored afterwards);
-- the simulator ``Engine`` called with ``Engine.submit`` by the in-process transport.
+- a ``BackendPool`` of ``EngineBackend``s: each simulator engine behind its own HTTP face,
+  called in-process, so the same requests, answers and /metrics text flow as over HTTP;
+- the real metrics poller, ``ProgramRegistry``, ``Scheduler`` (policy ``default`` or ``tr``),
+  resume monitor and call gateway, and an ``AuditLog`` whose channel nobody writes to SQLite
+  during the run (its records are kept and stored afterwards).
 """
 
 from __future__ import annotations
@@ -31,13 +30,14 @@ from trio.testing import MockClock
 
 from ..audit import AuditLog
 from ..audit.records import AuditRecord, StepRecord, TransitionRecord
-from ..backends import BackendPool, interpret, open_backend_pool
-from ..backends.poller import backend_sample
+from ..backends import BackendPool
+from ..backends.asgi import EngineBackend
+from ..backends.poller import serve_metrics_poller
+from ..gateway import Gateway
 from ..programs import ProgramRegistry, ProgramStatus
 from ..programs.profile import Profiles
-from ..scheduling import Scheduler
-from ..scheduling.scheduler import serve_resume_monitor
-from ..sim import Engine, exposition, truth
+from ..scheduling import Scheduler, policy_named, serve_resume_monitor
+from ..sim import Engine, truth
 from . import figures
 from .agent import Agents, Progress, RunLog, sticky_round_robin, ungrouped_errors
 from .config import PROXY_ROUTERS, BenchConfig
@@ -85,34 +85,6 @@ def backend_urls(n: int) -> list[str]:
     return [f"http://sim-{i}.invalid" for i in range(n)]
 
 
-async def serve_engine_metrics(
-    pool: BackendPool,
-    engines: dict[str, Engine],
-    registry: ProgramRegistry,
-    audit: AuditLog,
-    *,
-    interval: float,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """The metrics poller without HTTP: each engine's /metrics text, parsed as the poller does."""
-    started = False
-    while True:
-        now = trio.current_time()
-        loads = registry.load_by_backend()
-        for backend in pool:
-            engine = engines[backend.url]
-            snapshot = interpret(exposition.render(engine))
-            if snapshot is not None:
-                backend.snapshot = snapshot
-            backend.mark_ok()
-            backend.last_poll_at = now
-            audit.record(backend_sample(backend, loads.get(backend.url), now))
-        if not started:
-            started = True
-            task_status.started()
-        await trio.sleep(interval)
-
-
 def drain(receive: trio.MemoryReceiveChannel[AuditRecord]) -> list[AuditRecord]:
     records = []
     while True:
@@ -139,35 +111,45 @@ async def run_target(
     settings = config.settings(target) if router is not None else None
     send, receive = trio.open_memory_channel[AuditRecord](math.inf)
     audit = AuditLog(send, run_id=0)
-    async with open_backend_pool(urls) as pool, trio.open_nursery() as nursery:
-        for engine in engines.values():
+    pool = BackendPool()
+    async with trio.open_nursery() as nursery:
+        for url, engine in engines.items():
             await nursery.start(engine.run)
-        scheduler: Scheduler | None = None
+            pool.attach(url, EngineBackend(engine, nursery, name=url))
+        gateway: Gateway | None = None
         if settings is not None:
             registry = ProgramRegistry(lambda t: audit.record(TransitionRecord(t)))
             scheduler = Scheduler(
-                mode=settings.router,
+                policy=policy_named(settings.router, settings.policy),
                 registry=registry,
                 pool=pool,
                 audit=audit,
+            )
+            gateway = Gateway(
+                pool=pool,
+                scheduler=scheduler,
+                audit=audit,
                 profiles=Profiles(),
-                config=settings.policy(),
+                first_byte_timeout=settings.first_byte_timeout,
+                read_timeout=settings.read_timeout,
             )
             await nursery.start(
                 partial(
-                    serve_engine_metrics,
+                    serve_metrics_poller,
                     pool,
-                    engines,
-                    registry,
                     audit,
                     interval=settings.metrics_interval,
+                    loads=registry.sample_loads,
                 )
             )
             await nursery.start(
                 partial(serve_resume_monitor, scheduler, interval=settings.monitor_interval)
             )
         transport = InProcessTransport(
-            engines, scheduler=scheduler, place=sticky_round_robin(urls), model=config.model
+            {node.url: node.backend for node in pool},
+            gateway=gateway,
+            place=sticky_round_robin(urls),
+            model=config.model,
         )
         agents = Agents(workload, transport, schedule, time_scale=1.0, progress=progress)
         log = await agents.run()

@@ -3,7 +3,7 @@ and their answers back into JSON; the shapes follow the seed API (seed 001)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -13,7 +13,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from .. import __version__
+from .. import __version__, snapshot
 from ..audit.records import RejectionRecord
 from ..backends import BackendPool
 from ..clock import WallClock
@@ -21,19 +21,28 @@ from ..config import Settings
 from ..errors import (
     HeadersTooLarge,
     InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
     ProfilingDisabled,
     ProgramUnknown,
+    RequestTimeout,
     ThunderproxyError,
+    describe,
 )
+from ..gateway import Gateway
 from ..programs import Program, ProgramStatus
 from ..programs.profile import Profiles
-from ..programs.registry import BackendLoad
 from ..scheduling import Scheduler
+from ..snapshot import Statistics
 from .auth import require_admin
-from .errors import error_body, error_response
-from .proxy import CLEANUP_KEY, Proxy, parse_json_object
+from .errors import error_response
+from .proxy import CLEANUP_KEY, RECORDED_KEY, Proxy, parse_json_object
+from .readiness import Readiness
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+#: The routes that need a backend, refused while the runtime waits for its backends.
+BACKEND_ENDPOINTS = ("chat_completions", "completions", "list_models", "passthrough")
 
 
 @dataclass
@@ -41,10 +50,28 @@ class Services:
     """Everything a route may use; built by the runtime, never by the routes."""
 
     settings: Settings
-    scheduler: Scheduler
-    pool: BackendPool
+    gateway: Gateway
     profiles: Profiles
     clock: WallClock
+    #: Ready unless the runtime is still waiting for its backends.
+    readiness: Readiness = field(default_factory=Readiness)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.gateway.scheduler
+
+    @property
+    def pool(self) -> BackendPool:
+        return self.gateway.pool
+
+    def statistics(self) -> Statistics:
+        """One frozen snapshot of programs, backends and the audit log."""
+        return snapshot.take(
+            router=self.scheduler.policy.name,
+            registry=self.scheduler.registry,
+            pool=self.pool,
+            audit=self.gateway.audit.statistics(),
+        )
 
 
 class ProxyHTTPConnection(TrioASGIHTTPConnection):
@@ -86,15 +113,14 @@ def program_view(program: Program, services: Services, *, with_profile: bool) ->
     return view
 
 
-def _error_type(status: int) -> str:
+def _audit_json(stats: Statistics) -> dict[str, int]:
+    audit = stats.audit
     return {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        404: "not_found_error",
-        405: "invalid_request_error",
-        408: "timeout_error",
-        413: "invalid_request_error",
-    }.get(status, "internal_error" if status >= 500 else "invalid_request_error")
+        "accepted": audit.accepted,
+        "written": audit.written,
+        "dropped": audit.dropped,
+        "queued": audit.queued,
+    }
 
 
 def create_app(services: Services) -> QuartTrio:
@@ -108,15 +134,11 @@ def create_app(services: Services) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     scheduler = services.scheduler
     registry = scheduler.registry
-    proxy = Proxy(
-        scheduler=scheduler,
-        pool=services.pool,
-        first_byte_timeout=settings.first_byte_timeout,
-        read_timeout=settings.read_timeout,
-    )
+    audit = services.gateway.audit
+    proxy = Proxy(gateway=services.gateway, read_timeout=settings.read_timeout)
 
     def reject(status: int, error_type: str, message: str, program_id: str | None) -> None:
-        scheduler.audit.record(
+        audit.record(
             RejectionRecord(
                 at=trio.current_time(),
                 method=request.method,
@@ -130,25 +152,31 @@ def create_app(services: Services) -> QuartTrio:
 
     @app.errorhandler(ThunderproxyError)
     async def handle_error(error: ThunderproxyError) -> Response:
-        response = error_response(error)
-        if not error.step_recorded:
-            reject(response.status_code, error.error_type, error.message, error.program_id)
-        return response
+        if not request.scope.get(RECORDED_KEY):  # the gateway recorded the calls it was given
+            status, error_type = describe(error)
+            reject(status, error_type, error.message, error.program_id)
+        return error_response(error)
 
     @app.errorhandler(HTTPException)
     async def handle_http_error(error: HTTPException) -> Response:
-        # Quart's own refusals (413 body too large, 408 body too slow, 405) in OpenAI's shape.
+        # Quart's own refusals (413 body too large, 408 body too slow, 405, 404), as ours.
         status = error.code or 500
-        message = {
-            413: f"Request body is larger than {settings.max_body_bytes} bytes "
-            "(see --max-body-bytes).",
-            408: f"Request body not received within {settings.client_timeout} s "
-            "(see --client-timeout).",
-        }.get(status, error.description or error.name)
-        error_type = _error_type(status)
-        reject(status, error_type, message, None)
-        body = error_body(message, error_type=error_type, status=status)
-        return Response(body, status=status, content_type="application/json")
+        ours: ThunderproxyError = {
+            413: PayloadTooLarge(
+                f"Request body is larger than {settings.max_body_bytes} bytes "
+                "(see --max-body-bytes)."
+            ),
+            408: RequestTimeout(
+                f"Request body not received within {settings.client_timeout} s "
+                "(see --client-timeout)."
+            ),
+            405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}."),
+        }.get(status) or (
+            NotFound(error.description or error.name)
+            if status == 404
+            else InvalidRequest(error.description or error.name)
+        )
+        return await handle_error(ours)
 
     @app.before_request
     async def limit_headers() -> None:
@@ -159,6 +187,16 @@ def create_app(services: Services) -> QuartTrio:
                 f"Request headers are {size} bytes, more than {settings.max_header_bytes} "
                 "(see --max-header-bytes)."
             )
+
+    @app.before_request
+    async def refuse_until_ready() -> None:
+        # Calls that need a backend get 503 while starting; the proxy's own endpoints answer.
+        if services.readiness.ready or request.endpoint not in BACKEND_ENDPOINTS:
+            return
+        # Drain the body first: a keep-alive connection left with an unread body stalls the
+        # client's next request on it.
+        await request.get_data(cache=False)
+        services.readiness.check()
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -187,52 +225,83 @@ def create_app(services: Services) -> QuartTrio:
         scheduler.release(program_id)
         return jsonify({"program_id": program_id, "released": True})
 
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        """The union of what the healthy backends serve (their own entries), and the aliases
+        that reach them."""
+        cards: dict[str, Any] = {}
+        for node in services.pool.healthy():
+            for name, card in node.model_cards.items():
+                cards.setdefault(name, card)
+        created = int(services.clock.unix(trio.current_time()))
+        for name in services.pool.served_models():
+            if name not in cards:
+                targets = services.pool.aliases.get(name, ())
+                cards[name] = {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "thunderproxy",
+                    "root": targets[0] if targets else name,
+                }
+        return jsonify({"object": "list", "data": list(cards.values())})
+
     @app.get("/health")
     async def health() -> Response:
-        counts = registry.counts()
-        loads = registry.load_by_backend()
-        return jsonify(
+        stats = services.statistics()
+        starting = services.readiness.reason()
+        if starting is not None:
+            status = "starting"
+        else:
+            status = "ok" if stats.healthy_backends else "degraded"
+        response = jsonify(
             {
-                "status": "ok" if services.pool.healthy() else "degraded",
+                "status": status,
+                "reason": starting,
                 "version": __version__,
-                "router_mode": scheduler.mode,
-                "scheduling_enabled": scheduler.scheduling_enabled,
-                "backends": services.pool.urls,
-                "healthy_backends": [b.url for b in services.pool.healthy()],
-                "programs_count": len(registry),
-                "reasoning_count": counts[ProgramStatus.REASONING],
-                "acting_count": counts[ProgramStatus.ACTING],
-                "paused_count": counts[ProgramStatus.PAUSED],
+                "router_mode": stats.router,
+                "scheduling_enabled": stats.router != "default",
+                "backends": [b.url for b in stats.backends],
+                "healthy_backends": stats.healthy_backends,
+                "models": list(stats.served_models),
+                "programs_count": stats.programs,
+                "reasoning_count": stats.by_status[ProgramStatus.REASONING],
+                "acting_count": stats.by_status[ProgramStatus.ACTING],
+                "paused_count": stats.by_status[ProgramStatus.PAUSED],
                 "per_backend": {
-                    url: {
-                        "total": load.total,
-                        "reasoning": load.reasoning,
-                        "acting": load.acting,
-                        "paused": load.paused,
-                        "marked_for_pause": load.marked_for_pause,
-                        "future_paused_tokens": load.future_paused_tokens,
+                    b.url: {
+                        "total": b.load.total,
+                        "reasoning": b.load.reasoning,
+                        "acting": b.load.acting,
+                        "paused": b.load.paused,
+                        "marked_for_pause": b.load.marked_for_pause,
+                        "future_paused_tokens": b.load.future_paused_tokens,
                     }
-                    for url, load in ((u, loads.get(u, BackendLoad())) for u in services.pool.urls)
+                    for b in stats.backends
                 },
                 "profile_enabled": settings.profile,
+                "audit": _audit_json(stats),
             }
         )
+        if starting is not None:
+            # Not ready for traffic: a load balancer's readiness probe should wait.
+            response.status_code = 503
+        return response
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        loads = registry.load_by_backend()
+        stats = services.statistics()
         backends: dict[str, Any] = {}
-        for backend in services.pool:
-            load = loads.get(backend.url, BackendLoad())
-            snap = backend.snapshot
-            capacity = backend.capacity_tokens
+        for b in stats.backends:
+            load, snap, capacity = b.load, b.engine, b.capacity_tokens
             active = load.active_tokens
-            backends[backend.url] = {
-                "url": backend.url,
-                "healthy": backend.healthy,
+            backends[b.url] = {
+                "url": b.url,
+                "healthy": b.healthy,
+                "models": None if b.models is None else list(b.models),
                 "monitoring": settings.metrics,
-                "last_error": backend.last_error,
-                "in_flight_requests": backend.in_flight,
+                "last_error": b.last_error,
+                "in_flight_requests": b.in_flight,
                 "active_program_tokens": active,
                 "reasoning_program_tokens": load.reasoning_tokens,
                 "acting_program_tokens": load.acting_tokens,
@@ -255,18 +324,12 @@ def create_app(services: Services) -> QuartTrio:
                     "num_preemptions": snap.preemptions_total,
                 },
             }
-        stats = scheduler.audit.statistics()
         return jsonify(
             {
                 "metrics_enabled": settings.metrics,
                 "metrics_interval": settings.metrics_interval,
                 "backends": backends,
-                "audit": {
-                    "accepted": stats.accepted,
-                    "written": stats.written,
-                    "dropped": stats.dropped,
-                    "queued": stats.queued,
-                },
+                "audit": _audit_json(stats),
             }
         )
 

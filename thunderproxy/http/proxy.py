@@ -1,29 +1,23 @@
-"""Forwarding: LLM calls through the scheduler, everything else straight to a backend.
+"""The OpenAI edge: completions become gateway calls; any other path goes straight through.
 
-Each LLM call holds a StepLease from the scheduler; whatever happens (normal end, backend error,
-client gone, proxy stopping) the lease is closed exactly once with the status that happened.
+Each completion is handed to the gateway, which owns it from then on: whatever happens (normal
+end, backend error, client gone, proxy stopping) it is closed and recorded exactly once.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
-from urllib.parse import quote
 
-import httpx
 import trio
 from quart import Response, request
 from werkzeug.datastructures import Headers
 
-from ..backends import Backend, BackendPool
-from ..backends.pool import map_httpx_errors
-from ..errors import BackendError, BackendUnavailable, InvalidRequest, ThunderproxyError
-from ..programs import StepUsage
-from ..scheduling import Scheduler, StepLease
-from ..scheduling.scheduler import StepOutcome
-from .errors import sse_error_event, status_for
-from .sse import UsageTap, usage_from
+from ..backends import UpstreamRequest, UpstreamResponse
+from ..errors import BackendError, InvalidRequest
+from ..gateway import Call, Gateway
+from .sse import OPENAI
 
 DEFAULT_PROGRAM = "default"
 MAX_PROGRAM_ID_CHARS = 256
@@ -71,13 +65,6 @@ def forward_headers(
     }
     skip = HOP_BY_HOP | listed | drop
     return [(name, value) for name, value in items if name.lower() not in skip]
-
-
-def header_safe(value: str) -> str:
-    """``value`` as an HTTP header value: program ids may hold any character, headers may not."""
-    if value.isascii() and value.isprintable():
-        return value
-    return quote(value, safe="")
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -153,152 +140,20 @@ def validate_completion_body(body: dict[str, Any], endpoint: str) -> None:
         raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
 
 
-class Step:
-    """Closes one lease exactly once, with what is known about the outcome at that moment."""
-
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        lease: StepLease,
-        *,
-        endpoint: str,
-        model: str | None,
-        stream: bool,
-    ) -> None:
-        self.scheduler = scheduler
-        self.lease = lease
-        self.endpoint = endpoint
-        self.model = model
-        self.stream = stream
-        self.first_token_at: float | None = None
-        self.usage = StepUsage()
-
-    def finish(self, status: int, *, error: str | None = None) -> None:
-        self.scheduler.end_step(
-            self.lease,
-            StepOutcome(
-                status=status,
-                usage=self.usage,
-                endpoint=self.endpoint,
-                model=self.model,
-                stream=self.stream,
-                first_token_at=self.first_token_at,
-                error=error,
-            ),
-        )
-
-    async def abandon(self) -> None:
-        """The exchange ended before the step did: the client went away (or the proxy stopped)."""
-        self.finish(499, error="client closed the connection before the response ended")
+def response_headers(headers: Iterable[tuple[str, str]]) -> Headers:
+    return Headers(forward_headers(headers, drop=RESPONSE_OWN))
 
 
-async def close_upstream(response: httpx.Response, chunks: Any = None) -> None:
-    """Close the backend response at once (shielded: this runs while being cancelled), which
-    closes its connection, which is how vLLM learns to abort the request."""
-    with trio.CancelScope(shield=True):
-        if chunks is not None:
-            await chunks.aclose()
-        await response.aclose()
-
-
-class Relay:
-    """The streamed body of a backend response, relayed chunk by chunk as it arrives."""
-
-    def __init__(
-        self,
-        response: httpx.Response,
-        *,
-        read_timeout: float,
-        step: Step | None = None,
-        tap: UsageTap | None = None,
-    ) -> None:
-        self.response = response
-        self.read_timeout = read_timeout
-        self.step = step
-        self.tap = tap
-        self._chunks = response.aiter_raw()
-        self._done = False
-
-    def __aiter__(self) -> Relay:
-        return self
-
-    async def __anext__(self) -> bytes:
-        while not self._done:
-            try:
-                with map_httpx_errors(str(self.response.url)), trio.fail_after(self.read_timeout):
-                    chunk = await self._chunks.__anext__()
-            except StopAsyncIteration:
-                return self._end()
-            except BackendError as exc:
-                return self._fail(exc)
-            if self.step is not None and self.step.first_token_at is None:
-                self.step.first_token_at = trio.current_time()
-            out = chunk if self.tap is None else self.tap.feed(chunk)
-            if out:
-                return out
-        raise StopAsyncIteration
-
-    def _end(self) -> bytes:
-        self._done = True
-        tail = b""
-        if self.tap is not None:
-            tail = self.tap.flush()
-        if self.step is not None:
-            if self.tap is not None and self.tap.usage is not None:
-                self.step.usage = self.tap.usage
-            error = None if self.tap is None else self.tap.error
-            self.step.finish(self.response.status_code, error=error)
-        if not tail:
-            raise StopAsyncIteration
-        return tail
-
-    def _fail(self, exc: BackendError) -> bytes:
-        # Headers (200) are already out: end the stream with an error event, as vLLM does.
-        self._done = True
-        status = status_for(exc)
-        if self.step is not None:
-            if self.tap is not None and self.tap.usage is not None:
-                self.step.usage = self.tap.usage
-            self.step.finish(status, error=exc.message)
-        return sse_error_event(exc.message, error_type=exc.error_type, status=status)
-
-    async def aclose(self) -> None:
-        await close_upstream(self.response, self._chunks)
-        if self.step is not None:
-            await self.step.abandon()
-
-
-def response_headers(response: httpx.Response) -> Headers:
-    return Headers(forward_headers(response.headers.multi_items(), drop=RESPONSE_OWN))
+#: Set on a request's scope once the gateway owns its call: the gateway records the outcome,
+#: so the app's error handler must not record it again as a rejection.
+RECORDED_KEY = "thunderproxy.recorded"
 
 
 class Proxy:
-    def __init__(
-        self,
-        *,
-        scheduler: Scheduler,
-        pool: BackendPool,
-        first_byte_timeout: float,
-        read_timeout: float,
-    ) -> None:
-        self.scheduler = scheduler
-        self.pool = pool
-        self.first_byte_timeout = first_byte_timeout
+    def __init__(self, *, gateway: Gateway, read_timeout: float) -> None:
+        self.gateway = gateway
+        self.pool = gateway.pool
         self.read_timeout = read_timeout
-
-    async def _send(self, backend: Backend, upstream: httpx.Request) -> httpx.Response:
-        try:
-            with map_httpx_errors(backend.url), trio.fail_after(self.first_byte_timeout):
-                response = await backend.client.send(upstream, stream=True)
-        except BackendUnavailable as exc:
-            backend.mark_failed(exc.message)
-            raise
-        except BackendError as exc:
-            backend.record_failure(exc.message)
-            raise
-        if response.status_code < 500:
-            backend.failures = 0
-        return response
 
     async def completion(self, endpoint: str) -> Response:
         """POST /v1/chat/completions and /v1/completions: one step of one program."""
@@ -312,81 +167,78 @@ class Proxy:
         if hide_usage:
             body["stream_options"] = {**options, "include_usage": True}
         model = body.get("model") if isinstance(body.get("model"), str) else None
-
-        try:
-            lease = await self.scheduler.begin_step(
-                program_id, arrived_at=arrived_at, context_chars=context_chars(body)
-            )
-        except trio.Cancelled:
-            # Only waiting for a paused program can be cancelled here: the client left the
-            # queue, so the request is dropped for good and never sent later.
-            self.scheduler.record_cancelled_wait(
-                program_id, arrived_at=arrived_at, endpoint=endpoint, model=model, stream=stream
-            )
-            raise
-        step = Step(self.scheduler, lease, endpoint=endpoint, model=model, stream=stream)
-        on_request_end(step.abandon)
         headers = forward_headers(
             request.headers.items(), drop=frozenset({"x-program-id", "accept-encoding"})
         )
         headers.append(("accept-encoding", "identity"))
-        if "x-request-id" not in request.headers:
-            headers.append(("x-request-id", header_safe(lease.request_id)))
-        upstream = lease.backend.client.build_request(
-            "POST", endpoint, content=json.dumps(body).encode(), headers=headers
+        call = Call(
+            program_id=program_id,
+            endpoint=endpoint,
+            body=body,
+            wire=OPENAI,
+            arrived_at=arrived_at,
+            model=model,
+            stream=stream,
+            headers=headers,
+            context_chars=context_chars(body),
+            hide_usage=hide_usage,
         )
-        try:
-            response = await self._send(lease.backend, upstream)
-        except ThunderproxyError as exc:
-            step.finish(status_for(exc), error=exc.message)
-            exc.step_recorded = True
-            raise
-        content_type = response.headers.get("content-type", "")
-        if stream and response.status_code == 200 and "text/event-stream" in content_type:
-            relay = Relay(
-                response,
-                read_timeout=self.read_timeout,
-                step=step,
-                tap=UsageTap(hide_usage_chunk=hide_usage),
+        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
+        scope[RECORDED_KEY] = True
+        exchange = await self.gateway.open(call)
+        on_request_end(exchange.aclose)
+        if exchange.is_event_stream:
+            return Response(
+                exchange.stream(), status=200, headers=response_headers(exchange.headers)
             )
-            return Response(relay, status=200, headers=response_headers(response))
-        try:
-            with map_httpx_errors(lease.backend.url), trio.fail_after(self.read_timeout):
-                content = await response.aread()
-        except ThunderproxyError as exc:
-            step.finish(status_for(exc), error=exc.message)
-            exc.step_recorded = True
-            raise
-        finally:
-            await close_upstream(response)
-        error = None
-        if response.status_code == 200:
-            try:
-                step.usage = usage_from(json.loads(content)) or StepUsage()
-            except ValueError:
-                error = "backend answered 200 with a body that is not JSON"
-        else:
-            error = content[:500].decode("utf-8", "replace")
-        step.finish(response.status_code, error=error)
-        return Response(content, status=response.status_code, headers=response_headers(response))
+        content = await exchange.read()
+        return Response(
+            content, status=exchange.status_code, headers=response_headers(exchange.headers)
+        )
 
     async def passthrough(self, path: str) -> Response:
-        """Any other path: relayed unchanged to the program's backend or the first healthy one."""
+        """Any other path: relayed unchanged to the program's backend or the first healthy one.
+        Not an LLM call: nothing is scheduled or recorded."""
         program_id = request.headers.get("x-program-id")
-        program = None if program_id is None else self.scheduler.registry.find(program_id)
-        backend = self.pool.get(program.backend) if program is not None else None
-        if backend is None or not backend.healthy:
-            backend = self.pool.first_healthy()
+        program = None if program_id is None else self.gateway.scheduler.registry.find(program_id)
+        node = self.pool.get(program.backend) if program is not None else None
+        if node is None or not node.healthy:
+            node = self.pool.first_healthy()
         target = path
         if request.query_string:
             target += "?" + request.query_string.decode("latin-1")
-        upstream = backend.client.build_request(
+        upstream = UpstreamRequest(
             request.method,
             target,
-            content=await request.get_data(False, False, False),
-            headers=forward_headers(request.headers.items()),
+            forward_headers(request.headers.items()),
+            await request.get_data(False, False, False),
         )
-        response = await self._send(backend, upstream)
-        relay = Relay(response, read_timeout=self.read_timeout)
-        on_request_end(relay.aclose)
-        return Response(relay, status=response.status_code, headers=response_headers(response))
+        try:
+            with trio.fail_after(self.gateway.first_byte_timeout):
+                response = await node.backend.send(upstream)
+        except trio.TooSlowError:
+            error = self.gateway.timeout(node)
+            node.health.failed(error)
+            raise error from None
+        except BackendError as exc:
+            node.health.failed(exc)
+            raise
+        node.health.answered(response.status_code)
+        on_request_end(response.aclose)
+        return Response(
+            relay(response, self.read_timeout),
+            status=response.status_code,
+            headers=response_headers(response.headers),
+        )
+
+
+async def relay(response: UpstreamResponse, read_timeout: float) -> AsyncIterator[bytes]:
+    """A passthrough body, chunk by chunk; a backend gone silent past ``read_timeout`` ends it."""
+    chunks = response.aiter_raw()
+    while True:
+        try:
+            with trio.fail_after(read_timeout):
+                chunk = await chunks.__anext__()
+        except (StopAsyncIteration, trio.TooSlowError, BackendError):
+            return
+        yield chunk

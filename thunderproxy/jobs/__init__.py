@@ -46,21 +46,19 @@ __all__ = [
 
 def council_config(settings: Settings) -> CouncilConfig:
     """The council named by ``--council-models`` and friends, validated."""
-    members = tuple(m.strip() for m in settings.council_models.split(",") if m.strip())
+    members = tuple(m.strip() for m in settings.council.models.split(",") if m.strip())
     if len(set(members)) != len(members):
-        raise ConfigError(f"--council-models names a model twice: {settings.council_models!r}.")
+        raise ConfigError(f"--council-models names a model twice: {settings.council.models!r}.")
     if len(members) > MAX_MEMBERS:
         raise ConfigError(f"--council-models: at most {MAX_MEMBERS} members, got {len(members)}.")
-    if settings.council_keepalive <= 0:
-        raise ConfigError("--council-keepalive must be > 0 seconds.")
-    chairman = settings.council_chairman.strip() or (members[0] if members else "")
+    chairman = settings.council.chairman.strip() or (members[0] if members else "")
     return CouncilConfig(
         members=members,
         chairman=chairman,
-        title_model=settings.council_title_model.strip() or chairman,
-        member_timeout_s=settings.council_member_timeout,
-        tool_rounds=settings.council_tool_rounds,
-        max_tokens=settings.council_max_tokens or None,
+        title_model=settings.council.title_model.strip() or chairman,
+        member_timeout_s=settings.council.member_timeout,
+        tool_rounds=settings.council.tool_rounds,
+        max_tokens=settings.council.max_tokens or None,
     )
 
 
@@ -84,7 +82,7 @@ async def open_council(settings: Settings) -> Council:
     store = await JobStore.open(settings.db)
     runner = CouncilRunner(store, config)
     blueprint = create_blueprint(
-        runner, admin_token=settings.admin_token, keepalive_s=settings.council_keepalive
+        runner, admin_token=settings.admin_token, keepalive_s=settings.council.keepalive
     )
     return Council(store, runner, blueprint)
 
@@ -102,10 +100,10 @@ async def serve_council(
     an ``HttpChatClient`` on the proxy's own URL, so every call is a scheduled program."""
     timeout = httpx.Timeout(settings.first_byte_timeout, connect=settings.connect_timeout)
     tool_settings = ToolSettings(
-        timeout_s=min(20.0, settings.council_member_timeout or 20.0),
-        allow_private=settings.council_tools_allow_private,
-        search_url=settings.council_search_url,
-        search_key=settings.council_search_key,
+        timeout_s=min(20.0, settings.council.member_timeout or 20.0),
+        allow_private=settings.council.tools_allow_private,
+        search_url=settings.council.search_url,
+        search_key=settings.council.search_key,
     )
     try:
         async with (
@@ -115,7 +113,7 @@ async def serve_council(
                 headers={"user-agent": "thunderproxy-council"},
             ) as fetches,
         ):
-            if settings.council_tools:
+            if settings.council.tools:
                 council.runner.toolbox = Toolbox(fetches, tool_settings)
             chat = client or HttpChatClient(
                 loopback_url(proxy_url), calls, admin_token=settings.admin_token

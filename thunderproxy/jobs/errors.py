@@ -7,16 +7,18 @@ ThunderproxyError
   JobFailed                 the council could not answer at all (no member answered)
   MemberFailed              one member's call failed; the council leaves it out
   ToolFailed                a tool call could not be carried out; its text goes to the model
+
+Their HTTP status and OpenAI error type are in ``COUNCIL_ERRORS``; every other error is
+described by the proxy's own table.
 """
 
 from __future__ import annotations
 
 from ..errors import RequestError, ThunderproxyError
+from ..errors import describe as describe_proxy_error
 
 
 class ConversationUnknown(RequestError):
-    error_type = "not_found_error"
-
     def __init__(self, conversation_id: str) -> None:
         super().__init__(
             f"Conversation {conversation_id!r} does not exist; GET /council/api/conversations "
@@ -26,8 +28,6 @@ class ConversationUnknown(RequestError):
 
 
 class JobRunning(RequestError):
-    error_type = "conflict_error"
-
     def __init__(self, conversation_id: str, job_id: str) -> None:
         super().__init__(
             f"Conversation {conversation_id!r} already has council job {job_id!r} running; "
@@ -38,12 +38,28 @@ class JobRunning(RequestError):
 
 
 class JobFailed(ThunderproxyError):
-    error_type = "council_error"
+    """The council could not answer at all."""
 
 
 class MemberFailed(ThunderproxyError):
-    error_type = "backend_error"
+    """One member's call failed; the message names the model and what happened."""
 
 
 class ToolFailed(ThunderproxyError):
-    error_type = "tool_error"
+    """A tool call could not be carried out; its message is what the model is told."""
+
+
+COUNCIL_ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
+    ConversationUnknown: (404, "not_found_error"),
+    JobRunning: (409, "conflict_error"),
+    JobFailed: (502, "council_error"),
+}
+
+
+def describe(error: ThunderproxyError) -> tuple[int, str]:
+    """``(status, type)`` of an error raised on a council route."""
+    for cls in type(error).__mro__:
+        entry = COUNCIL_ERRORS.get(cls)
+        if entry is not None:
+            return entry
+    return describe_proxy_error(error)

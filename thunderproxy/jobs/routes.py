@@ -16,10 +16,10 @@ from typing import Any
 
 from quart import Blueprint, Response, jsonify, request
 
-from ..errors import InvalidRequest, ThunderproxyError, Unauthorized
+from ..errors import InvalidRequest, ThunderproxyError
 from ..http.auth import require_admin
 from ..http.errors import error_body
-from .errors import ConversationUnknown, JobFailed, JobRunning
+from .errors import ConversationUnknown, JobFailed, JobRunning, describe
 from .runner import CouncilRunner
 
 #: Longest question accepted, in characters (the page counts down to it).
@@ -30,7 +30,6 @@ STATIC_TYPES = {
     ".css": "text/css; charset=utf-8",
     ".svg": "image/svg+xml",
 }
-STATUS = {ConversationUnknown: 404, JobRunning: 409, InvalidRequest: 400, Unauthorized: 401}
 
 
 def _static(name: str) -> bytes | None:
@@ -51,11 +50,10 @@ def create_blueprint(
 
     @bp.errorhandler(ThunderproxyError)
     async def handle_error(error: ThunderproxyError) -> Response:
-        status = next((code for cls, code in STATUS.items() if isinstance(error, cls)), 500)
+        status, error_type = describe(error)
         if isinstance(error, JobFailed) and not runner.ready:
             status = 503
-        body = error_body(error.message, error_type=error.error_type, status=status,
-                          param=error.param)  # fmt: skip
+        body = error_body(error.message, error_type=error_type, status=status, param=error.param)
         response = Response(body, status=status, content_type="application/json")
         if status == 401:
             # Lets a browser ask for the token (any user name, the token as password).

@@ -2,12 +2,18 @@
 
 Every change goes through here so that each one is also handed to the audit sink; the registry
 itself does no I/O and reads no clock (callers pass ``now``).
+
+It also keeps an index per backend (programs by status, the acting programs' tokens, the
+programs that became acting recently, the programs whose request waits), updated on every
+change, so that nothing on a request's path walks every tracked program: the cost of a call is
+flat in the number of idle programs the proxy tracks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import TracebackType
 
 from ..errors import ProgramUnknown
 from . import state
@@ -38,10 +44,106 @@ class BackendLoad:
         return self.reasoning + self.acting
 
 
+@dataclass
+class BackendIndex:
+    """One backend's programs by status; the acting ones with the tokens they entered with."""
+
+    reasoning: dict[str, Program] = field(default_factory=dict)
+    acting: dict[str, int] = field(default_factory=dict)
+    paused: dict[str, Program] = field(default_factory=dict)
+    #: Acting programs that became acting lately (pruned by the reader, see ``recent``).
+    recent: dict[str, Program] = field(default_factory=dict)
+    acting_tokens: int = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.reasoning) + len(self.acting) + len(self.paused)
+
+
 class ProgramRegistry:
     def __init__(self, sink: TransitionSink | None = None) -> None:
         self._programs: dict[str, Program] = {}
         self._sink = sink or (lambda _t: None)
+        self._index: dict[str | None, BackendIndex] = {}
+        self._counts = dict.fromkeys(ProgramStatus, 0)
+        #: Programs a request of which waits for a resume (``Program.waiting_since`` set).
+        self._waiting: dict[str, Program] = {}
+        #: Every program, in the order of its last activity (oldest first).
+        self._by_activity: dict[str, Program] = {}
+
+    # -- the index ------------------------------------------------------------------------------
+
+    def _unindex(self, program: Program) -> None:
+        index = self._index.get(program.backend)
+        self._counts[program.status] -= 1
+        if index is None:
+            return
+        pid = program.program_id
+        index.reasoning.pop(pid, None)
+        index.paused.pop(pid, None)
+        index.recent.pop(pid, None)
+        tokens = index.acting.pop(pid, None)
+        if tokens is not None:
+            index.acting_tokens -= tokens
+
+    def _reindex(self, program: Program) -> None:
+        self._counts[program.status] += 1
+        index = self._index.get(program.backend)
+        if index is None:
+            index = self._index[program.backend] = BackendIndex()
+        pid = program.program_id
+        if program.status is ProgramStatus.REASONING:
+            index.reasoning[pid] = program
+        elif program.status is ProgramStatus.ACTING:
+            index.acting[pid] = program.total_tokens
+            index.acting_tokens += program.total_tokens
+            index.recent[pid] = program
+        elif program.status is ProgramStatus.PAUSED:
+            index.paused[pid] = program
+
+    def _changing(self, program: Program) -> _Reindex:
+        return _Reindex(self, program)
+
+    def set_waiting(self, program: Program, since: float | None) -> None:
+        """A request of ``program`` waits for its resume since ``since`` (None: no longer)."""
+        program.waiting_since = since
+        if since is None:
+            self._waiting.pop(program.program_id, None)
+        elif program.program_id in self._programs:
+            self._waiting[program.program_id] = program
+
+    def relevant(self, claims: Callable[[Program], bool]) -> list[Program]:
+        """The programs a scheduling decision can involve: every REASONING or PAUSED program,
+        every one whose request waits, and the ACTING ones that still ``claims`` KV (an idle
+        program's claim decays to nothing, and once it has it is not looked at again until it
+        changes). Cost: those programs, not every tracked one."""
+        out: dict[str, Program] = dict(self._waiting)
+        for index in self._index.values():
+            out.update(index.reasoning)
+            out.update(index.paused)
+            gone = []
+            for pid, program in index.recent.items():
+                if claims(program):
+                    out[pid] = program
+                else:
+                    gone.append(pid)
+            for pid in gone:
+                del index.recent[pid]
+        return list(out.values())
+
+    def idle_since(self, cutoff: float) -> list[Program]:
+        """The programs whose last activity was at or before ``cutoff``, oldest first; walks
+        only those (the index is kept in order of last activity)."""
+        out = []
+        for program in self._by_activity.values():
+            if program.last_activity > cutoff:
+                break
+            out.append(program)
+        return out
+
+    def _touch(self, program: Program) -> None:
+        self._by_activity.pop(program.program_id, None)
+        self._by_activity[program.program_id] = program
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -79,12 +181,16 @@ class ProgramRegistry:
             return program, False
         program, first = state.create(program_id, now, status=status, reason=reason)
         self._programs[program_id] = program
+        self._reindex(program)
+        self._touch(program)
         self._emit(first)
         return program, True
 
     def adopt(self, program: Program, *, previous: ProgramStatus, reason: str) -> None:
         """Track a program restored from the audit log after a restart."""
         self._programs[program.program_id] = program
+        self._reindex(program)
+        self._touch(program)
         self._emit(
             Transition(
                 program.program_id,
@@ -98,56 +204,97 @@ class ProgramRegistry:
         )
 
     def assign(self, program: Program, backend: str) -> None:
-        program.backend = backend
+        with self._changing(program):
+            program.backend = backend
+
+    def set_tokens(self, program: Program, tokens: int) -> None:
+        with self._changing(program):
+            program.total_tokens = tokens
 
     def begin_step(
         self, program: Program, now: float, *, context_chars: int, arrived_at: float | None = None
     ) -> None:
-        self._emit(
-            state.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
-        )
+        with self._changing(program):
+            moved = state.begin_step(
+                program, now, context_chars=context_chars, arrived_at=arrived_at
+            )
+        self._emit(moved)
 
     def end_step(self, program: Program, now: float, usage: StepUsage, *, reason: str) -> None:
-        self._emit(state.end_step(program, now, usage, reason=reason))
+        with self._changing(program):
+            moved = state.end_step(program, now, usage, reason=reason)
+        self._emit(moved)
 
     def pause(self, program: Program, now: float, *, reason: str) -> None:
-        self._emit(state.pause(program, now, reason=reason))
+        with self._changing(program):
+            moved = state.pause(program, now, reason=reason)
+        self._emit(moved)
 
     def resume(self, program: Program, now: float, *, backend: str | None, reason: str) -> None:
-        self._emit(state.resume(program, now, backend=backend, reason=reason))
+        with self._changing(program):
+            moved = state.resume(program, now, backend=backend, reason=reason)
+        self._emit(moved)
 
     def release(
         self, program_id: str, now: float, *, reason: str = "released by client"
     ) -> Program:
         """Stop tracking a program; raises ProgramUnknown for an id never seen (or already gone)."""
         program = self.get(program_id)
-        self._emit(state.stop(program, now, reason=reason))
+        self._unindex(program)
+        self._waiting.pop(program_id, None)
+        self._by_activity.pop(program_id, None)
+        stopped = state.stop(program, now, reason=reason)
         del self._programs[program_id]
+        self._emit(stopped)
         return program
 
     def counts(self) -> dict[ProgramStatus, int]:
-        result = dict.fromkeys(ProgramStatus, 0)
-        for program in self._programs.values():
-            result[program.status] += 1
-        return result
+        return dict(self._counts)
+
+    def sample_loads(self) -> dict[str, tuple[int, int]]:
+        """Programs and active tokens per backend, for the metrics poller's samples."""
+        loads = self.load_by_backend()
+        return {url: (load.total, load.active_tokens) for url, load in loads.items()}
 
     def load_by_backend(self) -> dict[str, BackendLoad]:
-        """Per-backend program counts and token sums, for placement and /health."""
-        acc: dict[str, dict[str, int]] = {}
-        for program in self._programs.values():
-            if program.backend is None:
+        """Per-backend program counts and token sums, for placement and /health. Walks only the
+        reasoning programs (the calls in flight); the rest is kept up to date as it changes."""
+        out = {}
+        for url, index in self._index.items():
+            if url is None or not index.total:
                 continue
-            row = acc.setdefault(program.backend, dict.fromkeys(BackendLoad.__annotations__, 0))
-            row["total"] += 1
-            if program.status is ProgramStatus.REASONING:
-                row["reasoning"] += 1
-                row["reasoning_tokens"] += program.total_tokens
-            elif program.status is ProgramStatus.ACTING:
-                row["acting"] += 1
-                row["acting_tokens"] += program.total_tokens
-            elif program.status is ProgramStatus.PAUSED:
-                row["paused"] += 1
-            if program.marked_for_pause:
-                row["marked_for_pause"] += 1
-                row["future_paused_tokens"] += program.total_tokens
-        return {url: BackendLoad(**row) for url, row in acc.items()}
+            marked = [p for p in index.reasoning.values() if p.marked_for_pause]
+            out[url] = BackendLoad(
+                total=index.total,
+                reasoning=len(index.reasoning),
+                acting=len(index.acting),
+                paused=len(index.paused),
+                marked_for_pause=len(marked),
+                reasoning_tokens=sum(p.total_tokens for p in index.reasoning.values()),
+                acting_tokens=index.acting_tokens,
+                future_paused_tokens=sum(p.total_tokens for p in marked),
+            )
+        return out
+
+
+class _Reindex:
+    """``with registry._changing(program):`` the program leaves the index before the change and
+    re-enters it after, so the index always matches the programs' state."""
+
+    def __init__(self, registry: ProgramRegistry, program: Program) -> None:
+        self.registry = registry
+        self.program = program
+        self.activity = program.last_activity
+
+    def __enter__(self) -> None:
+        self.registry._unindex(self.program)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.registry._reindex(self.program)
+        if self.program.last_activity != self.activity:
+            self.registry._touch(self.program)

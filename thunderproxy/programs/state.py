@@ -65,6 +65,8 @@ class Program:
     created_at: float
     status: ProgramStatus = ProgramStatus.REASONING
     backend: str | None = None
+    #: The model name its calls ask for; it stays on backends that serve it.
+    model: str | None = None
     step_count: int = 0
     #: Characters of the last request's messages (the seed API's estimate of context size).
     context_len: int = 0

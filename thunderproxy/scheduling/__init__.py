@@ -1,5 +1,15 @@
-"""Scheduling: where each program runs and (in ``tr`` mode) whether it may run now."""
+"""Scheduling: where each program runs and, by its named policy, whether it may run now."""
 
-from .scheduler import Scheduler, StepLease
+from .policies import POLICIES, DefaultPolicy, Policy, TrPolicy, policy_named
+from .scheduler import Scheduler, StepLease, serve_resume_monitor
 
-__all__ = ["Scheduler", "StepLease"]
+__all__ = [
+    "POLICIES",
+    "DefaultPolicy",
+    "Policy",
+    "Scheduler",
+    "StepLease",
+    "TrPolicy",
+    "policy_named",
+    "serve_resume_monitor",
+]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from ..config import PolicyConfig as PolicyConfig
 from ..programs import ProgramStatus
 
 
@@ -41,25 +42,6 @@ class Action(StrEnum):
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    """The policy's constants; each is a ``serve`` setting (see config.py for the help texts)."""
-
-    decode_buffer: int = 256
-    pause_cooldown_s: float = 5.0
-    resume_cooldown_s: float = 5.0
-    tool_coefficient: float = 1.0
-    acting_half_life_s: float = 5.0
-    max_wait_s: float = 300.0
-    resume_protection_s: float = 30.0
-    idle_lease_s: float = 600.0
-    target_fill: float = 0.9
-    #: 0: newcomers always queue; else a newcomer expected to wait longer is refused (429).
-    max_queue_wait_s: float = 0.0
-    #: A returning program whose call would overflow its backend waits for room.
-    gate_returns: bool = True
-
-
-@dataclass(frozen=True)
 class ProgramView:
     program_id: str
     status: ProgramStatus
@@ -74,6 +56,8 @@ class ProgramView:
     protected_until: float = 0.0
     last_activity: float = 0.0
     in_flight: int = 0
+    #: The backends that serve the program's model (None: any); it never moves off them.
+    eligible: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,14 +122,15 @@ def used_tokens(
     b: BackendView, programs: Iterable[ProgramView], cfg: PolicyConfig, now: float
 ) -> int:
     """Projected KV use of a backend; marked programs are credited (they leave at their next
-    step end), and every active program past the first shares the common prefix."""
+    step end), and every program with a claim past the first shares the common prefix (an idle
+    program whose claim has decayed to nothing holds no prefix either)."""
     total = 0
     active = 0
     for p in programs:
         if p.backend != b.url or p.marked:
             continue
         w = weight(p, cfg, now)
-        if p.status in (ProgramStatus.REASONING, ProgramStatus.ACTING):
+        if p.status is ProgramStatus.REASONING or (p.status is ProgramStatus.ACTING and w > 0):
             active += 1
             total += w
     return max(0, total - max(0, active - 1) * b.shared_prefix_tokens)
@@ -332,9 +317,12 @@ def resume(
     blocked = False
     for position, p in enumerate([*waiting, *idle]):
         waited = now - (p.waiting_since if p.waiting_since is not None else p.paused_since or now)
-        own = next((b for b in healthy if b.url == p.backend), None)
+        group = healthy if p.eligible is None else [b for b in healthy if b.url in p.eligible]
+        if not group:
+            continue  # no healthy backend serves its model: it waits for one
+        own = next((b for b in group if b.url == p.backend), None)
         if p.waiting_since is not None and waited >= cfg.max_wait_s:
-            target = own or min(healthy, key=lambda b: used_by[b.url])
+            target = own or min(group, key=lambda b: used_by[b.url])
             used = used_by[target.url]
             decisions.append(
                 _decision(
@@ -354,7 +342,7 @@ def resume(
         if blocked:
             continue
         candidates = ([own] if own else []) + sorted(
-            (b for b in healthy if b is not own),
+            (b for b in group if b is not own),
             key=lambda b: used_by[b.url],
         )
         placed = False

@@ -1,41 +1,33 @@
-"""The scheduler's trio glue: every LLM call begins and ends here.
+"""The scheduler's trio glue: it leases each LLM call a backend and applies its policy.
 
-``begin_step`` registers the call with its program, waits while the policy keeps the program
-off the GPU (``tr`` mode), places it on a backend and hands back a lease; ``end_step`` closes the
-lease exactly once, whatever the outcome, so no program is ever left counted as REASONING.
-Decisions come from the pure ``policy`` module; this module applies them and logs each one.
+``lease`` registers the call with its program, asks the policy whether it may go out now, waits
+while the program is paused, places it on a backend of its model's group and hands back a
+:class:`StepLease`; ``close`` ends the lease exactly once, whatever the outcome, so no program is
+ever left counted as REASONING. Decisions come from the named policy (policies.py); this module
+applies them and logs each one. The gateway owns the call around the lease and records it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import trio
 
-from ..audit import AuditLog, DecisionRecord, StepRecord
-from ..backends import Backend, BackendPool
+from ..audit import AuditLog, DecisionRecord
+from ..backends import BackendNode, BackendPool, Route
 from ..errors import NoBackendAvailable, ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
-from ..programs.profile import Profiles
-from . import policy
+from .learners import PromptSizer, program_estimate
 from .placement import Candidate, choose_backend
-from .policy import Action, BackendView, Decision, PolicyConfig, ProgramView
+from .policies import Policy, Views
+from .policy import Action, Decision, PolicyConfig, ProgramView
+from .views import BackendSchedule, ViewSource
+from .waiters import Waiters
 
 log = logging.getLogger("thunderproxy.scheduler")
-
-#: Until the backend has reported usage, prompts are sized at this many characters per token.
-DEFAULT_CHARS_PER_TOKEN = 4.0
-#: First-step cached-token samples kept per backend to estimate the shared system prefix.
-SHARED_PREFIX_SAMPLES = 64
-#: How the capacity factor reacts to engine preemptions (the model was too optimistic).
-PREEMPTION_BACKOFF = 0.9
-PREEMPTION_RECOVERY = 0.02
-MIN_CAPACITY_FACTOR = 0.5
 
 
 @dataclass
@@ -43,279 +35,202 @@ class StepLease:
     """One LLM call in flight: which program, which step, which backend, since when."""
 
     program: Program
-    backend: Backend
+    node: BackendNode
     step: int
     request_id: str
     arrived_at: float
     sent_at: float
     tool_s: float | None
+    context_chars: int
     closed: bool = False
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    status: int
-    usage: StepUsage
-    endpoint: str
-    model: str | None
-    stream: bool
-    first_token_at: float | None = None
-    error: str | None = None
-
-    @property
-    def reason(self) -> str:
-        if self.status == 499:
-            return "client disconnected"
-        if self.status >= 400:
-            return f"request failed ({self.status})"
-        return "response complete"
-
-
-@dataclass
-class BackendSchedule:
-    """What the scheduler learns about one backend beyond its metrics."""
-
-    shared_samples: deque[int] = field(default_factory=lambda: deque(maxlen=SHARED_PREFIX_SAMPLES))
-    capacity_factor: float = 1.0
-    last_pause_at: float | None = None
-    last_resume_at: float | None = None
-    last_preemptions: float | None = None
-    #: The last capacity seen, kept when a poll fails so scheduling does not stop.
-    capacity_tokens: int | None = None
-
-    @property
-    def shared_prefix_tokens(self) -> int:
-        return int(statistics.median(self.shared_samples)) if self.shared_samples else 0
-
-
-class Waiter:
-    """A request waiting for its paused program to be resumed."""
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-        self.error: Exception | None = None
 
 
 class Scheduler:
     def __init__(
         self,
         *,
-        mode: str,
+        policy: Policy,
         registry: ProgramRegistry,
         pool: BackendPool,
         audit: AuditLog,
-        profiles: Profiles,
-        config: PolicyConfig | None = None,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
-        self.mode = mode
+        self.policy = policy
         self.registry = registry
         self.pool = pool
         self.audit = audit
-        self.profiles = profiles
-        self.config = config or PolicyConfig()
         self._now = clock
-        self._backends: dict[str, BackendSchedule] = {}
-        self._waiters: dict[str, list[Waiter]] = {}
+        self.source = ViewSource(registry, pool, policy.config)
+        self._waiters = Waiters()
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
-        #: Characters per prompt token across programs, learned from usage; sizes newcomers.
-        self._chars_per_token: float | None = None
+        #: Prompt sizes learned per model; they size newcomers.
+        self._sizers: dict[str | None, PromptSizer] = {}
 
     @property
-    def scheduling_enabled(self) -> bool:
-        return self.mode == "tr"
+    def config(self) -> PolicyConfig:
+        return self.policy.config
 
-    # -- views for the pure policy -------------------------------------------------------------
+    # -- views for the policy -------------------------------------------------------------------
 
     def schedule_of(self, url: str) -> BackendSchedule:
-        schedule = self._backends.get(url)
-        if schedule is None:
-            schedule = self._backends[url] = BackendSchedule()
-        return schedule
+        return self.source.schedule_of(url)
 
-    def backend_views(self) -> list[BackendView]:
-        views = []
-        for backend in self.pool:
-            schedule = self.schedule_of(backend.url)
-            capacity = backend.capacity_tokens
-            if capacity is not None:
-                schedule.capacity_tokens = capacity
-            views.append(
-                BackendView(
-                    url=backend.url,
-                    healthy=backend.healthy,
-                    capacity_tokens=schedule.capacity_tokens,
-                    shared_prefix_tokens=schedule.shared_prefix_tokens,
-                    capacity_factor=schedule.capacity_factor,
-                    last_pause_at=schedule.last_pause_at,
-                    last_resume_at=schedule.last_resume_at,
-                )
-            )
-        return views
-
-    @staticmethod
-    def program_view(p: Program) -> ProgramView:
-        return ProgramView(
-            program_id=p.program_id,
-            status=p.status,
-            backend=p.backend,
-            tokens=p.total_tokens,
-            created_at=p.created_at,
-            acting_since=p.acting_since,
-            paused_since=p.paused_since,
-            waiting_since=p.waiting_since,
-            marked=p.marked_for_pause,
-            protected_until=p.protected_until,
-            last_activity=p.last_activity,
-            in_flight=p.in_flight,
-        )
-
-    def program_views(self) -> list[ProgramView]:
-        return [self.program_view(p) for p in self.registry]
+    def views(self) -> Views:
+        return self.source.views(self._now())
 
     # -- placement ------------------------------------------------------------------------------
 
-    def _choose(self, program_id: str, current: str | None) -> Backend:
+    def _choose(self, program_id: str, current: str | None, route: Route) -> BackendNode:
         loads = self.registry.load_by_backend()
         candidates = [
             Candidate(
-                url=b.url,
-                healthy=b.healthy,
-                active_tokens=loads[b.url].active_tokens if b.url in loads else 0,
-                programs=loads[b.url].total if b.url in loads else 0,
+                url=n.url,
+                healthy=n.healthy,
+                active_tokens=loads[n.url].active_tokens if n.url in loads else 0,
+                programs=loads[n.url].total if n.url in loads else 0,
             )
-            for b in self.pool
+            for n in route.nodes
         ]
-        backend = self.pool.get(choose_backend(current, candidates))
-        if backend is None:
+        node = self.pool.get(choose_backend(current, candidates))
+        if node is None:
+            group = "" if route.requested is None else f" serving {route.requested!r}"
             raise NoBackendAvailable(
-                f"No healthy backend for program {program_id!r}: all of "
-                f"{', '.join(self.pool.urls)} failed their last health check."
+                f"No healthy backend{group} for program {program_id!r}: all of "
+                f"{', '.join(n.url for n in route.nodes) or 'none'} failed their last health "
+                "check; check that they are running."
             )
-        return backend
+        return node
 
-    def place(self, program: Program) -> Backend:
-        """The program's backend: sticky while healthy, else the least loaded (logged)."""
-        backend = self._choose(program.program_id, program.backend)
-        if program.backend is not None and program.backend != backend.url:
+    def place(self, program: Program, route: Route) -> BackendNode:
+        """The program's backend: sticky while healthy, else the least loaded of its group."""
+        node = self._choose(program.program_id, program.backend, route)
+        if program.backend is not None and program.backend != node.url:
             self._log(
                 Decision(
                     Action.MIGRATE,
                     program.program_id,
                     "backend_unhealthy",
                     program.backend,
-                    target_backend=backend.url,
+                    target_backend=node.url,
                     program_tokens=program.total_tokens,
                 ),
             )
-        if program.backend != backend.url:
-            self.registry.assign(program, backend.url)
-        return backend
+        if program.backend != node.url:
+            self.registry.assign(program, node.url)
+        return node
 
-    # -- the step lifecycle ---------------------------------------------------------------------
+    # -- the lease ------------------------------------------------------------------------------
 
-    async def begin_step(
-        self, program_id: str, *, arrived_at: float, context_chars: int
+    async def lease(
+        self, program_id: str, route: Route, *, arrived_at: float, context_chars: int
     ) -> StepLease:
+        """Wait until ``program_id``'s call may go out, then lease it a backend of ``route``."""
         program = self.registry.find(program_id)
         if program is None:
-            program = self._admit(program_id, arrived_at, context_chars)
-        elif self.scheduling_enabled and self.config.gate_returns:
+            program = self._admit(program_id, route, arrived_at, context_chars)
+        else:
             self._gate_return(program, arrived_at, context_chars)
         # A loop, not an if: between its resume and this task running again, a program could be
         # paused anew by another task's rebalance (the policy avoids it, this makes it certain).
         while program.status is ProgramStatus.PAUSED:
             await self._wait_for_resume(program, arrived_at)
-        program.waiting_since = None
-        backend = self.place(program)
+        self.registry.set_waiting(program, None)
+        node = self.place(program, route)
         now = self._now()
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
-        backend.in_flight += 1
+        node.in_flight += 1
         step = program.step_count
         lease = StepLease(
             program=program,
-            backend=backend,
+            node=node,
             step=step,
             request_id=f"{program_id}-{step}",
             arrived_at=arrived_at,
             sent_at=now,
             tool_s=program.last_tool_s,
+            context_chars=context_chars,
         )
-        if self.scheduling_enabled:
-            self.rebalance(now, backends=[backend.url])
+        self.rebalance(now, backends=[node.url])
         return lease
 
     def _gate_return(self, program: Program, arrived_at: float, context_chars: int) -> None:
-        """Pause a returning program now if its call would overflow its backend."""
+        """Pause a returning program now if the policy sees its call overflow its backend."""
         if program.status is not ProgramStatus.ACTING or program.in_flight:
             return
-        backend = self.pool.get(program.backend)
-        if backend is None or not backend.healthy:
+        node = self.pool.get(program.backend)
+        if node is None or not node.healthy:
             return  # placement moves it first; the new backend's own rebalance follows
-        cpt = program.chars_per_token if program.prompt_tokens_total else None
-        estimate = int(context_chars / (cpt or self._chars_per_token or DEFAULT_CHARS_PER_TOKEN))
-        view = replace(self.program_view(program), tokens=max(program.total_tokens, estimate))
-        views = {v.url: v for v in self.backend_views()}
-        now = self._now()
-        decision = policy.on_return(
-            view, views[backend.url], self.program_views(), self.config, now
+        if program.prompt_tokens_total:
+            estimate = program_estimate(context_chars, program.chars_per_token)
+        else:
+            estimate = self._sizer(program.model).estimate(context_chars)
+        view = replace(
+            self.source.program_view(program), tokens=max(program.total_tokens, estimate)
         )
-        if decision.action is Action.PAUSE:
+        now = self._now()
+        decision = self.policy.on_return(view, self.views(), now)
+        if decision is not None and decision.action is Action.PAUSE:
             self._log(decision, now)
             self.registry.pause(program, now, reason=f"paused: {decision.rule}")
-            program.waiting_since = arrived_at
+            self.registry.set_waiting(program, arrived_at)
 
-    def _admit(self, program_id: str, arrived_at: float, context_chars: int) -> Program:
-        """A program's first call: admitted as REASONING, or queued (PAUSED) in tr mode."""
-        if not self.scheduling_enabled:
-            program, _ = self.registry.get_or_create(program_id, arrived_at)
-            return program
-        estimate = int(context_chars / (self._chars_per_token or DEFAULT_CHARS_PER_TOKEN))
-        backend = self._choose(program_id, None)
+    def _sizer(self, model: str | None) -> PromptSizer:
+        return self._sizers.get(model) or PromptSizer()
+
+    def _admit(
+        self, program_id: str, route: Route, arrived_at: float, context_chars: int
+    ) -> Program:
+        """A program's first call: admitted as REASONING, or queued (PAUSED) by the policy."""
+        estimate = self._sizer(route.requested).estimate(context_chars)
+        node = self._choose(program_id, None, route)
         now = self._now()
         candidate = ProgramView(
-            program_id, ProgramStatus.REASONING, backend.url, estimate, created_at=now
+            program_id,
+            ProgramStatus.REASONING,
+            node.url,
+            estimate,
+            created_at=now,
+            eligible=self.source.eligible(route.requested),
         )
-        views = {v.url: v for v in self.backend_views()}
-        decision = policy.admit(
-            candidate, views[backend.url], self.program_views(), self.config, now
-        )
-        if decision.action is Action.QUEUE and self.config.max_queue_wait_s > 0:
-            wait = policy.expected_wait(
-                decision.queue_position or 0, self._resume_times, self.config, now
-            )
-            if wait > self.config.max_queue_wait_s:
+        decision = self.policy.admit(candidate, self.views(), now)
+        if decision is not None and decision.action is Action.QUEUE:
+            bound = self.config.max_queue_wait_s
+            wait = self.policy.expected_wait(decision.queue_position or 0, self._resume_times, now)
+            if bound > 0 and wait > bound:
                 self._log(replace(decision, action=Action.REJECT, detail={"expected_wait_s": wait}))
-                error = QueueFull(
+                raise QueueFull(
                     f"Program {program_id!r} would wait about {wait:.0f} s for KV capacity, more "
-                    f"than --max-queue-wait {self.config.max_queue_wait_s:g} s; retry later.",
+                    f"than --max-queue-wait {bound:g} s; retry later.",
                     retry_after_s=wait,
+                    program_id=program_id,
                 )
-                error.program_id = program_id
-                raise error
-        self._log(decision)
-        if decision.action is Action.QUEUE:
+        if decision is not None:
+            self._log(decision)
+        if decision is not None and decision.action is Action.QUEUE:
             program, _ = self.registry.get_or_create(
                 program_id, now, status=ProgramStatus.PAUSED, reason=f"queued: {decision.rule}"
             )
         else:
-            program, _ = self.registry.get_or_create(program_id, now)
-        self.registry.assign(program, backend.url)
-        program.total_tokens = estimate
+            created = arrived_at if decision is None else now
+            program, _ = self.registry.get_or_create(program_id, created)
+        program.model = route.requested
+        self.registry.assign(program, node.url)
+        if decision is not None:
+            self.registry.set_tokens(program, estimate)
         return program
 
     async def _wait_for_resume(self, program: Program, arrived_at: float) -> None:
-        waiter = Waiter()
         if program.waiting_since is None:
-            program.waiting_since = arrived_at
-        self._waiters.setdefault(program.program_id, []).append(waiter)
+            self.registry.set_waiting(program, arrived_at)
+        waiter = self._waiters.add(program.program_id)
         self.rebalance(self._now())
         try:
-            await waiter.event.wait()
+            await waiter.wait()
         except BaseException:
-            self._drop_waiter(program, waiter)
-            if not waiter.event.is_set():
+            if self._waiters.drop(program.program_id, waiter):
+                self.registry.set_waiting(program, None)
+            if not waiter.woken:
                 self._log(
                     Decision(
                         Action.CANCEL,
@@ -327,101 +242,29 @@ class Scheduler:
                     )
                 )
             raise
-        if waiter.error is not None:
-            raise waiter.error
 
-    def _drop_waiter(self, program: Program, waiter: Waiter) -> None:
-        waiters = self._waiters.get(program.program_id, [])
-        if waiter in waiters:
-            waiters.remove(waiter)
-        if not waiters:
-            self._waiters.pop(program.program_id, None)
-            program.waiting_since = None
-
-    def _wake(self, program_id: str, error: Exception | None = None) -> None:
-        for waiter in self._waiters.pop(program_id, []):
-            waiter.error = error
-            waiter.event.set()
-
-    def record_cancelled_wait(
-        self, program_id: str, *, arrived_at: float, endpoint: str, model: str | None, stream: bool
-    ) -> None:
-        """A request that gave up while queued: it never reached a backend (status 499)."""
-        program = self.registry.find(program_id)
-        now = self._now()
-        self.audit.record(
-            StepRecord(
-                request_id=f"{program_id}-queued",
-                program_id=program_id,
-                step=0 if program is None else program.step_count + 1,
-                backend=None,
-                endpoint=endpoint,
-                model=model,
-                stream=stream,
-                arrived_at=arrived_at,
-                sent_at=None,
-                first_token_at=None,
-                finished_at=now,
-                tool_s=None,
-                prompt_tokens=None,
-                completion_tokens=None,
-                cached_tokens=None,
-                status=499,
-                error="client closed the connection while the program was paused",
-            )
-        )
-
-    def end_step(self, lease: StepLease, outcome: StepOutcome) -> None:
-        """Close the lease (idempotent): program state, audit row and profile, in one place."""
+    def close(self, lease: StepLease, usage: StepUsage, *, reason: str) -> bool:
+        """End the lease (idempotent: False if it was already ended): the program's state, what
+        the call teaches the learners, and the policy's reaction."""
         if lease.closed:
-            return
+            return False
         lease.closed = True
         now = self._now()
-        lease.backend.in_flight -= 1
+        lease.node.in_flight -= 1
         program = lease.program
         tracked = program.program_id in self.registry
         if tracked:
-            self.registry.end_step(program, now, outcome.usage, reason=outcome.reason)
-        usage = outcome.usage
-        if usage.prompt_tokens and program.context_len:
-            ratio = program.context_len / usage.prompt_tokens
-            previous = self._chars_per_token
-            self._chars_per_token = ratio if previous is None else 0.9 * previous + 0.1 * ratio
+            self.registry.end_step(program, now, usage, reason=reason)
+        if usage.prompt_tokens:
+            self._sizers[program.model] = self._sizer(program.model).observe(
+                lease.context_chars, usage.prompt_tokens
+            )
         if lease.step == 1 and usage.cached_tokens is not None:
             # A first call can only hit what other programs left: the shared prefix.
-            self.schedule_of(lease.backend.url).shared_samples.append(usage.cached_tokens)
-        record = StepRecord(
-            request_id=lease.request_id,
-            program_id=program.program_id,
-            step=lease.step,
-            backend=lease.backend.url,
-            endpoint=outcome.endpoint,
-            model=outcome.model,
-            stream=outcome.stream,
-            arrived_at=lease.arrived_at,
-            sent_at=lease.sent_at,
-            first_token_at=outcome.first_token_at,
-            finished_at=now,
-            tool_s=lease.tool_s,
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-            cached_tokens=usage.cached_tokens,
-            status=outcome.status,
-            error=outcome.error,
-        )
-        self.audit.record(record)
-        first = outcome.first_token_at
-        self.profiles.add_step(
-            program.program_id,
-            prefill_s=None if first is None else first - lease.sent_at,
-            decode_s=None if first is None else now - first,
-            pause_s=record.queue_s,
-            tool_s=lease.tool_s,
-            prompt_tokens=usage.prompt_tokens,
-            cached_tokens=usage.cached_tokens,
-        )
-        if not (tracked and self.scheduling_enabled):
-            return
+            schedule = self.schedule_of(lease.node.url)
+            schedule.shared_prefix = schedule.shared_prefix.observe(usage.cached_tokens)
+        if not tracked:
+            return True
         if program.marked_for_pause and program.in_flight == 0:
             self.registry.pause(program, now, reason="paused: marked while reasoning")
             self._log(
@@ -434,18 +277,19 @@ class Scheduler:
                 )
             )
         self.rebalance(now)
+        return True
 
     def release(self, program_id: str) -> Program:
         program = self.registry.release(program_id, self._now())
-        self._wake(
+        self._waiters.wake(
             program_id,
             ProgramReleased(
                 f"Program {program_id!r} was released while this request waited for capacity; "
-                "the request was not sent. Send it again to start a new program."
+                "the request was not sent. Send it again to start a new program.",
+                program_id=program_id,
             ),
         )
-        if self.scheduling_enabled:
-            self.rebalance(self._now())
+        self.rebalance(self._now())
         return program
 
     # -- periodic and event-driven rebalancing ---------------------------------------------------
@@ -454,47 +298,21 @@ class Scheduler:
         """Periodic work (the resume monitor): learn from the engines, retire idle programs,
         force-resume programs that waited too long, rebalance."""
         now = self._now()
-        self._learn_from_engines()
-        for decision in policy.retire(self.program_views(), self.config, now):
+        self.source.refresh()  # served models may have changed with the last poll
+        for node in self.pool:
+            snapshot = node.snapshot
+            if snapshot is not None and snapshot.preemptions_total is not None:
+                schedule = self.schedule_of(node.url)
+                schedule.capacity = schedule.capacity.observe(snapshot.preemptions_total)
+        for decision in self.policy.retire(self.views(), now):
             self._apply(decision, now)
-        if self.scheduling_enabled:
-            self.rebalance(now)
-
-    def _learn_from_engines(self) -> None:
-        for backend in self.pool:
-            snapshot = backend.snapshot
-            if snapshot is None or snapshot.preemptions_total is None:
-                continue
-            schedule = self.schedule_of(backend.url)
-            previous = schedule.last_preemptions
-            schedule.last_preemptions = snapshot.preemptions_total
-            if previous is None or snapshot.preemptions_total < previous:
-                continue  # first reading, or the engine restarted (its counter reset)
-            if snapshot.preemptions_total > previous:
-                schedule.capacity_factor = max(
-                    MIN_CAPACITY_FACTOR, schedule.capacity_factor * PREEMPTION_BACKOFF
-                )
-            else:
-                schedule.capacity_factor = min(1.0, schedule.capacity_factor + PREEMPTION_RECOVERY)
+        self.rebalance(now)
 
     def rebalance(self, now: float, *, backends: Iterable[str] | None = None) -> None:
         """Apply the policy: pause or mark where over capacity, then resume where there is room."""
-        views = self.backend_views()
-        programs = self.program_views()
-        wanted = None if backends is None else set(backends)
-        paused_any = False
-        for view in views:
-            if wanted is not None and view.url not in wanted:
-                continue
-            for decision in policy.enforce(view, programs, self.config, now):
-                self._apply(decision, now)
-                paused_any = True
-        if paused_any:
-            views = self.backend_views()
-            programs = self.program_views()
-        if any(p.status is ProgramStatus.PAUSED for p in programs):
-            for decision in policy.resume(views, programs, self.config, now):
-                self._apply(decision, now)
+        wanted = None if backends is None else frozenset(backends)
+        for decision in self.policy.rebalance(self.views(), now, backends=wanted):
+            self._apply(decision, now)
 
     def _apply(self, decision: Decision, now: float) -> None:
         program = self.registry.find(decision.program_id)
@@ -518,29 +336,14 @@ class Scheduler:
             else:
                 self.schedule_of(decision.target_backend or "").last_resume_at = now
             self._resume_times.append(now)
-            self._wake(program.program_id)
+            self._waiters.wake(program.program_id)
         elif action is Action.RETIRE:
             self.registry.release(program.program_id, now, reason="retired: idle lease expired")
         self._log(decision, now)
 
     def _log(self, decision: Decision, now: float | None = None) -> None:
-        self.audit.record(
-            DecisionRecord(
-                at=self._now() if now is None else now,
-                program_id=decision.program_id,
-                action=decision.action.value,
-                rule=decision.rule,
-                backend=decision.backend,
-                target_backend=decision.target_backend,
-                capacity_tokens=decision.capacity_tokens,
-                used_tokens=decision.used_tokens,
-                program_tokens=decision.program_tokens,
-                idle_s=decision.idle_s,
-                waited_s=decision.waited_s,
-                queue_position=decision.queue_position,
-                detail=json.dumps(decision.detail) if decision.detail else None,
-            )
-        )
+        at = self._now() if now is None else now
+        self.audit.record(DecisionRecord.from_decision(decision, at))
 
 
 async def serve_resume_monitor(

@@ -4,6 +4,8 @@ Layers, from the data up:
 - tokenizer.py, blocks.py, scheduler.py, timing.py: pure engine logic (no trio, no HTTP);
 - engine.py: the trio step loop, reading time only through `trio.current_time()`;
 - protocol.py, responses.py, exposition.py, truth.py: wire formats, pure functions;
+- tools.py (tool calls, the template's tool parts), chat_tools.py, anthropic.py,
+  responses_api.py, serving.py: tool calls and the Anthropic and Responses APIs;
 - app.py, sglang.py, server.py: the raw-ASGI app on hypercorn's trio worker;
 - cli.py (`thunderproxy sim`), loadtest.py, calibrate.py: entry points.
 """

@@ -10,20 +10,24 @@ import dataclasses
 import hashlib
 import json
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qs
 
 import trio
 
 from . import exposition
+from .anthropic import anthropic_routes
+from .chat_tools import serve_chat_with_tools
 from .config import SimConfig
 from .control import dev_mode_routes, sim_routes
-from .council import scripted_answer
+from .council import council_script
 from .engine import Engine, EngineDeadError, QueueFullError, RequestHandle
 from .protocol import APIError, GenerateRequest, error_body, parse_generate, validation_error
 from .responses import ResponseBuilder, dumps, models_body
+from .responses_api import responses_routes
 from .sglang import sglang_routes
+from .tools import chat_tools, template_messages
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -128,6 +132,8 @@ class SimApp:
                     "/ping": {"GET": self._ping, "POST": self._ping},
                     "/version": {"GET": self._version},
                     "/load": {"GET": self._load},
+                    **anthropic_routes(self),
+                    **responses_routes(self),
                 }
             )
             if cfg.dev_mode:
@@ -153,6 +159,8 @@ class SimApp:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         request = Request(scope, receive, send, headers)
         methods = self.routes.get(scope["path"])
+        if methods is None and scope["path"].startswith("/v1/responses/"):
+            methods = self.routes.get("/v1/responses/{id}")  # the one route with a path id
         if methods is None:
             await respond_json(send, 404, {"detail": "Not Found"})
             return
@@ -214,7 +222,8 @@ class SimApp:
         tok = self.engine.tokenizer
         if isinstance(body, dict) and isinstance(body.get("messages"), list):
             add = body.get("add_generation_prompt", True) is not False
-            ids = tok.encode_chat(body["messages"], add_generation_prompt=add)
+            messages = template_messages(body["messages"], chat_tools(body))
+            ids = tok.encode_chat(messages, add_generation_prompt=add)
         elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
             ids = tok.encode(body["prompt"])
         else:
@@ -251,12 +260,59 @@ class SimApp:
         return None
 
     async def _generate(self, request: Request, *, chat: bool) -> None:
-        engine = self.engine
         body = await request.json()
-        parsed = parse_generate(body, chat=chat, config=self.config, tokenizer=engine.tokenizer)
+        if (
+            chat
+            and isinstance(body, dict)
+            and (body.get("tools") is not None or body.get("tool_choice") not in (None, "none"))
+        ):
+            await serve_chat_with_tools(self, request, body)
+            return
+        parsed = parse_generate(
+            body, chat=chat, config=self.config, tokenizer=self.engine.tokenizer
+        )
+        extra = self.id_headers(request)
+
+        async def respond(handle: RequestHandle, rid: str, fault: str | None) -> None:
+            builder = ResponseBuilder(
+                self.config,
+                chat=chat,
+                response_id=("chatcmpl-" if chat else "cmpl-") + rid,
+                created=int(self.engine.unix_time()),
+                fingerprint=self.fingerprint,
+                block_size=self.engine.block_size,
+            )
+            if parsed.stream:
+                await self._stream(request, parsed, handle, builder, fault, extra)
+            else:
+                await self._complete(request, parsed, handle, builder, fault, extra)
+
+        # The council's ranking, chairman and title prompts get answers in their shape.
+        script = council_script(body, self.config.seed, self.engine.tokenizer) if chat else None
+        await self.execute(request, parsed, respond, script=script)
+
+    def id_headers(self, request: Request) -> list[tuple[bytes, bytes]]:
+        """`X-Request-Id` echoed back when the server is told to (vLLM's flag)."""
         header_id = request.headers.get("x-request-id")
-        extra = [(b"x-request-id", header_id.encode())] if (
-            header_id and self.config.enable_request_id_headers) else []  # fmt: skip
+        if header_id and self.config.enable_request_id_headers:
+            return [(b"x-request-id", header_id.encode())]
+        return []
+
+    async def execute(
+        self,
+        request: Request,
+        parsed: GenerateRequest,
+        respond: Callable[[RequestHandle, str, str | None], Awaitable[None]],
+        *,
+        script: Sequence[tuple[int, str]] | None = None,
+    ) -> None:
+        """Run one generation: faults, submission, disconnect watching and abort.
+
+        `respond(handle, response id, fault)` writes the answer in the route's own format;
+        every generating route (chat, completions, messages, responses) goes through here.
+        """
+        engine = self.engine
+        header_id = request.headers.get("x-request-id")
         fault = self._pick_fault(request.headers)
         if fault == "hang":
             await self.stopping.wait()
@@ -280,29 +336,18 @@ class SimApp:
                 ignore_eos=parsed.ignore_eos,
                 min_tokens=parsed.min_tokens,
                 priority=parsed.priority,
-                text=scripted_answer(body, self.config.seed) if chat else None,
+                script=script,
             )
         except EngineDeadError:
             raise APIError(500, ENGINE_DEAD, "InternalServerError") from None
         except QueueFullError:
             raise APIError(503, BUSY, "ServiceUnavailableError") from None
         rid = request_id or format(self._ids.getrandbits(64), "016x")
-        builder = ResponseBuilder(
-            self.config,
-            chat=chat,
-            response_id=("chatcmpl-" if chat else "cmpl-") + rid,
-            created=int(engine.unix_time()),
-            fingerprint=self.fingerprint,
-            block_size=engine.block_size,
-        )
         self.in_flight += 1
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch_disconnect, request.receive, nursery.cancel_scope)
-                if parsed.stream:
-                    await self._stream(request, parsed, handle, builder, fault, extra)
-                else:
-                    await self._complete(request, parsed, handle, builder, fault, extra)
+                await respond(handle, rid, fault)
                 nursery.cancel_scope.cancel()
         finally:
             self.in_flight -= 1

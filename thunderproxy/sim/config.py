@@ -164,6 +164,16 @@ class SimConfig:
     dev_mode: bool = _knob(
         False, "Serve /reset_prefix_cache, /sleep, /wake_up, /is_sleeping.", group="http"
     )
+    enable_responses_api_store: bool = _knob(
+        True,
+        "Keep /v1/responses results for previous_response_id (vLLM: "
+        "VLLM_ENABLE_RESPONSES_API_STORE, off by default there).",
+        group="http",
+        negatable=True,
+    )
+    responses_store_size: int = _knob(
+        1000, "Most stored responses; the oldest are forgotten first.", group="http"
+    )
     # timing
     profile: str = _knob(
         "h100-8b",
@@ -204,6 +214,17 @@ class SimConfig:
     output_len_dist: str = _knob(
         "lognormal:150:0.8",
         "Output length when not fixed: lognormal:MEDIAN:SIGMA, uniform:LO:HI or fixed:N.",
+        group="text",
+    )
+    tool_call_probability: float = _knob(
+        0.5,
+        "Chance (seeded by the prompt) that a reply to a request with tools is a tool call.",
+        group="text",
+    )
+    tool_call_after_result_probability: float = _knob(
+        0.25,
+        "The same chance when the conversation ends with a tool result (lower, so agent "
+        "loops end).",
         group="text",
     )
     # faults

@@ -4,7 +4,8 @@ The simulated model writes seeded nonsense words, which a council can stream and
 rank: its peer-review prompt wants a ``FINAL RANKING:`` list naming the responses it was shown.
 This module recognises the council's three special prompts (ranking, chairman, title; their
 wording is in ``thunderproxy/jobs/council.py``) and scripts an answer in the expected shape;
-every other request keeps the usual generated text. The order a member ranks in is seeded by
+every other request keeps the usual generated text. The engine writes the script at
+the usual speed, token by token, then stops with EOS. The order a member ranks in is seeded by
 the model name and the prompt, so members disagree, and runs repeat exactly.
 """
 
@@ -30,17 +31,6 @@ _VERDICTS = (
     "is plausible, but one claim needs a source",
     "answers the question directly and stays on topic",
 )
-
-
-class ScriptedText:
-    """A sampler that writes ``text`` token by token (then the engine stops with EOS)."""
-
-    def __init__(self, tokenizer: Tokenizer, text: str) -> None:
-        self._pieces = [(tokenizer.piece_id(p), p) for p in reversed(tokenizer.pieces(text))]
-        self.length = len(self._pieces)
-
-    def next_token(self) -> tuple[int, str]:
-        return self._pieces.pop() if self._pieces else (0, "")
 
 
 def _last_user_text(body: Mapping[str, Any]) -> str:
@@ -94,3 +84,13 @@ def scripted_answer(body: Mapping[str, Any], seed: int) -> str | None:
     if RANKING_MARKER in prompt and _LABEL_LINE.search(prompt):
         return ranking_answer(prompt, model, seed)
     return None
+
+
+def council_script(
+    body: Mapping[str, Any], seed: int, tokenizer: Tokenizer
+) -> list[tuple[int, str]] | None:
+    """The (id, text) tokens the engine writes for a council prompt (then EOS), or None."""
+    text = scripted_answer(body, seed)
+    if text is None:
+        return None
+    return [(tokenizer.piece_id(p), p) for p in tokenizer.pieces(text)]

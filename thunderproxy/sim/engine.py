@@ -12,14 +12,13 @@ import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import trio
 
 from .blocks import BlockPool
 from .config import SimConfig
-from .council import ScriptedText
 from .metrics import Recorder
 from .scheduler import Scheduler, SimRequest, Status, StepPlan, StepResult
 from .timing import batch_shape, step_seconds
@@ -166,10 +165,13 @@ class Engine:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         priority: int = 0,
-        text: str | None = None,
+        script: Sequence[tuple[int, str]] | None = None,
     ) -> RequestHandle:
-        """Queue a request; `output_tokens` fixes where it stops (EOS included); `text`, when
-        given, is what the model writes instead of generated words."""
+        """Queue a request; `output_tokens` fixes where it stops (EOS included).
+
+        `script` is (id, text) pairs the model generates first (a tool call's markup and
+        arguments); by default the request then stops with EOS right after it.
+        """
         if self.dead:
             raise EngineDeadError(
                 "EngineCore encountered an issue. See stack trace for the root cause."
@@ -183,19 +185,24 @@ class Engine:
             request_id = f"{self._ids.getrandbits(64):016x}"
         while request_id in self.handles:  # vLLM keeps ids unique internally as well
             request_id = f"{request_id}-{self._ids.getrandbits(16):04x}"
-        generator: TextGenerator | ScriptedText
-        if text is None:
-            generator = TextGenerator(self.tokenizer, self.config.seed, request_id)
-        else:
-            generator = ScriptedText(self.tokenizer, text)
-            output_tokens = generator.length + 1  # the text, then EOS
+        if script is not None and output_tokens is None:
+            output_tokens = len(script) + 1
         stop_at = self._plan_length(request_id, max_tokens, output_tokens, ignore_eos, min_tokens)
+        generator = TextGenerator(self.tokenizer, self.config.seed, request_id)
+        sampler: Callable[[], tuple[int, str]] = generator.next_token
+        if script:
+            scripted = iter(script)
+
+            def scripted_sampler() -> tuple[int, str]:
+                return next(scripted, None) or generator.next_token()
+
+            sampler = scripted_sampler
         request = SimRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             max_tokens=max_tokens,
             arrival_time=self.now(),
-            sampler=generator.next_token,
+            sampler=sampler,
             stop_at=stop_at,
             eos_token_id=self.tokenizer.eos_id,
             program=program,

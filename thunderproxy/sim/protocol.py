@@ -23,10 +23,14 @@ class APIError(Exception):
         self.message = message
         self.type = type_
         self.param = param
+        # A whole error body in another API's shape (Anthropic's), sent instead of OpenAI's.
+        self.shape: dict[str, Any] | None = None
 
 
 def error_body(error: APIError, config: SimConfig) -> dict[str, Any]:
     """Nested from vLLM 0.10 on, flat before (and in SGLang)."""
+    if error.shape is not None:
+        return error.shape
     if config.personality == "sglang" or config.compat in ("0.8", "0.9"):
         return {
             "object": "error",
@@ -172,7 +176,10 @@ def _chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
         raise bad_request(
             "Cannot apply chat template to an empty conversation. Provide at least one message."
         )
-    return tokenizer.encode_chat(messages, add_generation_prompt=True)
+    from .tools import chat_tools, template_messages  # tools.py imports this module
+
+    rendered = template_messages(messages, chat_tools(body))
+    return tokenizer.encode_chat(rendered, add_generation_prompt=True)
 
 
 def _completion_prompt(

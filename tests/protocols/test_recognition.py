@@ -1,0 +1,636 @@
+"""Program recognition: the order of sources, each client's identifiers, the off switches,
+previous_response_id chains, prefix continuation (interleaved tasks never merge), and memory."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from werkzeug.datastructures import Headers
+
+from thunderproxy.errors import InvalidRequest
+from thunderproxy.programs.recognition import (
+    DEFAULT_PROGRAM,
+    ProgramRecognizer,
+    Recognised,
+    RecognitionConfig,
+    Source,
+    claude_code_session,
+    without_program_id,
+)
+from thunderproxy.protocols import ChatTap, MessagesTap, Protocol, ResponsesTap, chain_elements
+
+from .streams import chat_events, messages_events, responses_events
+
+SYSTEM = "You are a coding agent. Use the tools to solve the task."
+SESSION_UUID = "5d2c1c5e-8f0a-4f5e-9a53-3b1f7c0d2e11"
+
+
+def recognizer(**switches: Any) -> ProgramRecognizer:
+    return ProgramRecognizer(RecognitionConfig(**switches), salt=b"test")
+
+
+# --- the order of sources ----------------------------------------------------------------------
+
+#: A Responses request that carries every identifier at once; each source removed in turn must
+#: hand over to the next one in the documented order.
+EVERYTHING_BODY = {
+    "program_id": "task-1",
+    "input": "hi",
+    "previous_response_id": "resp_known",
+    "prompt_cache_key": "conv-7",
+    "user": "alice",
+    "litellm_session_id": "ll-body",
+}
+EVERYTHING_HEADERS = {
+    "X-Session-ID": "ta-session",
+    "X-Claude-Code-Session-Id": SESSION_UUID,
+    "session-id": "codex-uuid",
+}
+ORDER = [
+    (Source.EXPLICIT, "task-1", "explicit"),
+    (Source.SESSION_HEADER, "ta-session", "session_header"),
+    (Source.CLAUDE_CODE, f"claude-code:{SESSION_UUID}", "claude_code"),
+    (Source.CODEX, "codex:codex-uuid", "codex"),
+    (Source.LITELLM, "litellm:ll-body", "litellm"),
+    (Source.PREVIOUS_RESPONSE, "earlier-program", "previous_response"),
+    (Source.PROMPT_CACHE_KEY, "cache-key:conv-7", "prompt_cache_key"),
+    (Source.USER, "user:alice", "user"),
+]
+
+
+@pytest.mark.parametrize("position", range(len(ORDER)), ids=[s.value for s, _, _ in ORDER])
+def test_sources_are_tried_in_the_documented_order(position: int) -> None:
+    switches = {flag: False for _, _, flag in ORDER[:position]}
+    switches.setdefault("user", True)
+    r = recognizer(**switches)
+    r.remember_response("resp_known", "earlier-program", now=0.0)
+    found = r.recognise(Protocol.RESPONSES, EVERYTHING_BODY, EVERYTHING_HEADERS, now=1.0)
+    source, program_id, _ = ORDER[position]
+    assert found == Recognised(program_id, source)
+
+
+def test_with_every_named_source_off_the_prompt_decides() -> None:
+    switches = {flag: False for _, _, flag in ORDER}
+    found = recognizer(**switches).recognise(
+        Protocol.RESPONSES, EVERYTHING_BODY, EVERYTHING_HEADERS, now=1.0
+    )
+    assert found.source is Source.NEW
+    assert found.program_id.startswith("auto-")
+
+
+def test_without_prefix_tracking_unnamed_calls_share_the_default_program() -> None:
+    found = recognizer(prefix=False).recognise(
+        Protocol.CHAT, {"messages": [{"role": "user", "content": "hi"}]}, {}, now=0.0
+    )
+    assert found == Recognised(DEFAULT_PROGRAM, Source.DEFAULT)
+
+
+def test_user_is_off_by_default_because_it_names_a_person_not_a_task() -> None:
+    assert not RecognitionConfig().user
+    found = recognizer().recognise(Protocol.CHAT, chat_request(["hi"], user="alice"), {}, now=0.0)
+    assert found.source is Source.NEW
+
+
+@pytest.mark.parametrize(
+    ("body", "header"),
+    [
+        pytest.param(
+            {"program_id": "from-body", "extra_body": {"program_id": "x"}}, "y", id="body"
+        ),
+        pytest.param({"extra_body": {"program_id": "from-extra"}}, "y", id="extra_body"),
+        pytest.param({}, "from-header", id="header"),
+    ],
+)
+def test_explicit_program_id_sources_in_order(body: dict[str, Any], header: str) -> None:
+    found = recognizer().recognise(
+        Protocol.CHAT, {"messages": [], **body}, {"x-program-id": header}, now=0.0
+    )
+    assert found.source is Source.EXPLICIT
+    assert found.program_id.startswith("from-")
+
+
+@pytest.mark.parametrize("bad", [5, "", "   ", "x" * 257])
+def test_a_malformed_explicit_program_id_is_refused(bad: Any) -> None:
+    with pytest.raises(InvalidRequest, match="program_id"):
+        recognizer().recognise(Protocol.CHAT, {"program_id": bad, "messages": []}, {}, now=0.0)
+
+
+def test_program_id_is_stripped_before_forwarding() -> None:
+    body = {"program_id": "p", "extra_body": {"program_id": "p"}, "messages": []}
+    assert without_program_id(body) == {"messages": []}
+    kept = {"extra_body": {"program_id": "p", "top_k": 3}}
+    assert without_program_id(kept) == {"extra_body": {"top_k": 3}}
+    assert body["program_id"] == "p"  # the client's body is not changed
+
+
+# --- what real clients send --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "user_id",
+    [
+        pytest.param(
+            f"user_{'ab' * 32}_account_{'1' * 8}-aaaa-bbbb-cccc-{'2' * 12}_session_{SESSION_UUID}",
+            id="legacy",
+        ),
+        pytest.param(f"user_{'ab' * 32}_account__session_{SESSION_UUID}", id="legacy-no-account"),
+        pytest.param(
+            json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": SESSION_UUID}),
+            id="json-string",
+        ),
+        pytest.param({"session_id": SESSION_UUID}, id="object"),
+    ],
+)
+def test_claude_code_session_from_metadata_user_id(user_id: Any) -> None:
+    assert claude_code_session(user_id) == SESSION_UUID
+    body = anthropic_request(["hi"]) | {"metadata": {"user_id": user_id}}
+    found = recognizer().recognise(Protocol.MESSAGES, body, {}, now=0.0)
+    assert found == Recognised(f"claude-code:{SESSION_UUID}", Source.CLAUDE_CODE)
+
+
+@pytest.mark.parametrize("user_id", ["alice", "user_123", '{"device_id": "x"}', "{not json"])
+def test_a_user_id_without_a_session_names_no_program(user_id: str) -> None:
+    assert claude_code_session(user_id) is None
+
+
+def test_a_claude_code_subagent_is_a_program_of_its_own() -> None:
+    headers = {"X-Claude-Code-Session-Id": SESSION_UUID, "X-Claude-Code-Agent-Id": "agent-3"}
+    found = recognizer().recognise(Protocol.MESSAGES, anthropic_request(["hi"]), headers, now=0.0)
+    assert found == Recognised(f"claude-code:{SESSION_UUID}/agent-3", Source.CLAUDE_CODE)
+
+
+@pytest.mark.parametrize(
+    ("body", "headers"),
+    [
+        pytest.param({}, {"X-LiteLLM-Session-Id": "s1"}, id="header"),
+        pytest.param({"litellm_session_id": "s1"}, {}, id="body"),
+        pytest.param({"metadata": {"litellm_session_id": "s1"}}, {}, id="metadata"),
+    ],
+)
+def test_litellm_session_ids(body: dict[str, Any], headers: dict[str, str]) -> None:
+    found = recognizer().recognise(Protocol.CHAT, chat_request(["hi"]) | body, headers, now=0.0)
+    assert found == Recognised("litellm:s1", Source.LITELLM)
+
+
+@pytest.mark.parametrize("name", ["session-id", "session_id"])
+def test_codex_session_header(name: str) -> None:
+    found = recognizer().recognise(Protocol.RESPONSES, {"input": "hi"}, {name: "u-1"}, now=0.0)
+    assert found == Recognised("codex:u-1", Source.CODEX)
+
+
+def test_a_client_id_too_long_for_a_program_id_is_hashed_not_cut() -> None:
+    r = recognizer()
+    a = r.recognise(Protocol.CHAT, chat_request(["x"], prompt_cache_key="k" * 300 + "a"), {}, 0.0)
+    b = r.recognise(Protocol.CHAT, chat_request(["x"], prompt_cache_key="k" * 300 + "b"), {}, 0.0)
+    assert a.source is Source.PROMPT_CACHE_KEY
+    assert len(a.program_id) < 64
+    assert a.program_id != b.program_id
+
+
+def test_unprintable_client_ids_are_ignored() -> None:
+    found = recognizer().recognise(
+        Protocol.CHAT, chat_request(["hi"]), {"x-session-id": "a\x00b"}, 0.0
+    )
+    assert found.source is Source.NEW
+
+
+# --- previous_response_id chains ---------------------------------------------------------------
+
+
+def test_a_previous_response_id_chain_stays_one_program() -> None:
+    r = recognizer()
+    first = r.recognise(Protocol.RESPONSES, {"input": "Fix the bug."}, {}, now=0.0)
+    assert first.source is Source.NEW
+    r.remember_response("resp_1", first.program_id, now=1.0)
+    for turn in range(2, 6):
+        body = {"input": f"tool output {turn}", "previous_response_id": f"resp_{turn - 1}"}
+        found = r.recognise(Protocol.RESPONSES, body, {}, now=float(turn))
+        assert found == Recognised(first.program_id, Source.PREVIOUS_RESPONSE)
+        r.remember_response(f"resp_{turn}", found.program_id, now=float(turn))
+
+
+def test_an_unknown_previous_response_falls_through() -> None:
+    body = {"input": "more", "previous_response_id": "resp_from_before_a_restart"}
+    assert recognizer().recognise(Protocol.RESPONSES, body, {}, now=0.0).source is Source.NEW
+
+
+def test_the_response_map_is_bounded() -> None:
+    r = recognizer(max_responses=3)
+    for i in range(10):
+        r.remember_response(f"resp_{i}", f"p{i}", now=float(i))
+    assert r.tracked_responses == 3
+    old = {"input": "x", "previous_response_id": "resp_0"}
+    new = {"input": "x", "previous_response_id": "resp_9"}
+    assert r.recognise(Protocol.RESPONSES, old, {}, now=10.0).source is Source.NEW
+    assert r.recognise(Protocol.RESPONSES, new, {}, now=10.0).program_id == "p9"
+
+
+# --- prefix continuation -----------------------------------------------------------------------
+
+
+def chat_request(users: list[str], **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": SYSTEM}] + [
+        {"role": "user", "content": u} for u in users
+    ]
+    return {"model": "m", "messages": messages, **extra}
+
+
+def anthropic_request(users: list[str]) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "max_tokens": 100,
+        "system": SYSTEM,
+        "messages": [{"role": "user", "content": u} for u in users],
+    }
+
+
+class ChatAgent:
+    """A chat agent as clients write them: each turn resends the history with the answer it got
+    (arguments re-serialised, as SDKs do) and the tool's output."""
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+        self.messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": task},
+        ]
+
+    def request(self) -> dict[str, Any]:
+        return {"model": "m", "messages": list(self.messages), "stream": True}
+
+    def answer(self, turn: int) -> dict[str, Any]:
+        arguments = json.dumps({"path": f"{self.task}-{turn}.py", "lines": [1, 2]})
+        call = {
+            "id": f"call_{turn}",
+            "type": "function",
+            "function": {"name": "read", "arguments": arguments},
+        }
+        return {"role": "assistant", "content": f"Reading file {turn}.", "tool_calls": [call]}
+
+    def continue_with(self, answer: dict[str, Any], turn: int) -> None:
+        echoed = json.loads(json.dumps(answer))
+        for call in echoed.get("tool_calls", []):
+            args = json.loads(call["function"]["arguments"])
+            call["function"]["arguments"] = json.dumps(dict(reversed(args.items())), indent=1)
+        echoed["content"] = echoed["content"] + "\n"  # some clients keep a trailing newline
+        self.messages.append(echoed)
+        self.messages.append(
+            {"role": "tool", "tool_call_id": f"call_{turn}", "content": f"output {turn}"}
+        )
+
+
+def test_interleaved_tasks_with_one_system_prompt_never_merge() -> None:
+    r = recognizer()
+    rng = random.Random(7)
+    agents = [ChatAgent(f"task number {i}") for i in range(8)]
+    programs: dict[int, str] = {}
+    turns = {i: 0 for i in range(len(agents))}
+    now = 0.0
+    for _ in range(80):
+        i = rng.randrange(len(agents))
+        agent = agents[i]
+        now += 1.0
+        found = r.recognise(Protocol.CHAT, agent.request(), {}, now)
+        if i not in programs:
+            assert found.source is Source.NEW
+            programs[i] = found.program_id
+        else:
+            assert found == Recognised(programs[i], Source.PREFIX)
+        answer = agent.answer(turns[i])
+        r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), answer, now)
+        agent.continue_with(answer, turns[i])
+        turns[i] += 1
+    assert len(set(programs.values())) == len(programs)
+    assert r.tracked_heads == len(programs)
+
+
+def test_samples_of_one_prompt_stay_apart_once_their_answers_differ() -> None:
+    """Parallel rollouts send the very same first prompt; each is its own program."""
+    r = recognizer()
+    prompt = chat_request(["Solve it."])
+    first = [r.recognise(Protocol.CHAT, prompt, {}, now=0.0) for _ in range(4)]
+    assert len({f.program_id for f in first}) == 4
+    for k, found in enumerate(first):
+        r.observe_answer(found.program_id, Protocol.CHAT, prompt, f"attempt {k}", now=1.0)
+    for k, found in enumerate(first):
+        body = chat_request(["Solve it."])
+        body["messages"] += [
+            {"role": "assistant", "content": f"attempt {k}"},
+            {"role": "user", "content": "go on"},
+        ]
+        assert r.recognise(Protocol.CHAT, body, {}, now=2.0) == Recognised(
+            found.program_id, Source.PREFIX
+        )
+
+
+def test_a_retry_after_a_failure_continues_the_program() -> None:
+    r = recognizer()
+    agent = ChatAgent("t")
+    found = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    answer = agent.answer(0)
+    r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), answer, 1.0)
+    agent.continue_with(answer, 0)
+    # The next call fails (nothing observed) and is sent again: same program both times.
+    for now in (2.0, 3.0):
+        assert r.recognise(Protocol.CHAT, agent.request(), {}, now).program_id == found.program_id
+
+
+def test_a_streamed_chat_answer_continues_like_the_client_echoes_it() -> None:
+    r = recognizer()
+    request = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Read a.py."}],
+        "stream": True,
+    }
+    found = r.recognise(Protocol.CHAT, request, {}, 0.0)
+    tap = ChatTap(hide_usage_chunk=True, collect_answer=True)
+    for event in chat_events():
+        tap.feed(event)
+    r.observe_answer(found.program_id, Protocol.CHAT, request, tap.answer(), 1.0)
+    echoed = {
+        "role": "assistant",
+        "content": "Let me look.",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "read_file", "arguments": '{"path":"a.py"}'},
+            }
+        ],
+    }
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": "print(1)"}
+    follow = {**request, "messages": request["messages"] + [echoed, tool]}
+    assert r.recognise(Protocol.CHAT, follow, {}, 2.0) == Recognised(
+        found.program_id, Source.PREFIX
+    )
+
+
+def test_claude_code_turns_continue_despite_its_per_request_noise() -> None:
+    """The billing header changes every call, cache_control moves to the newest block, and
+    thinking blocks come and go: none of that is the conversation."""
+    r = recognizer(claude_code=False)
+
+    def request(turn: int, history: list[dict[str, Any]]) -> dict[str, Any]:
+        system = [
+            {
+                "type": "text",
+                "text": f"x-anthropic-billing-header: cc_version=2.1; cch={turn:08x};",
+            },
+            {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}},
+        ]
+        messages = json.loads(json.dumps(history))
+        messages[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+        return {"model": "m", "max_tokens": 100, "system": system, "messages": messages}
+
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "Read a.py."}]}
+    ]
+    found = r.recognise(Protocol.MESSAGES, request(0, history), {}, 0.0)
+    tap = MessagesTap(collect_answer=True)
+    for event in messages_events():
+        tap.feed(event)
+    r.observe_answer(found.program_id, Protocol.MESSAGES, request(0, history), tap.answer(), 1.0)
+    answer = tap.answer()
+    answer["content"].insert(0, {"type": "thinking", "thinking": "hmm", "signature": "s"})
+    history += [
+        answer,
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "print(1)"}],
+        },
+    ]
+    assert r.recognise(Protocol.MESSAGES, request(1, history), {}, 2.0) == Recognised(
+        found.program_id, Source.PREFIX
+    )
+
+
+def test_responses_without_previous_response_id_continue_by_prefix() -> None:
+    r = recognizer()
+    request = {
+        "model": "m",
+        "instructions": SYSTEM,
+        "input": [{"role": "user", "content": "Read a.py."}],
+    }
+    found = r.recognise(Protocol.RESPONSES, request, {}, 0.0)
+    tap = ResponsesTap()
+    for event in responses_events():
+        tap.feed(event)
+    r.observe_answer(found.program_id, Protocol.RESPONSES, request, tap.answer(), 1.0)
+    echoed = [
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Let me look."}],
+        },
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "read_file",
+            "arguments": '{"path":"a.py"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "print(1)"},
+    ]
+    follow = {**request, "input": request["input"] + echoed}
+    assert r.recognise(Protocol.RESPONSES, follow, {}, 2.0) == Recognised(
+        found.program_id, Source.PREFIX
+    )
+
+
+def test_a_different_answer_in_the_history_is_a_different_program() -> None:
+    r = recognizer()
+    agent = ChatAgent("t")
+    found = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), agent.answer(0), 1.0)
+    agent.continue_with(agent.answer(1), 0)  # not what the model said
+    assert r.recognise(Protocol.CHAT, agent.request(), {}, 2.0).source is Source.NEW
+
+
+def test_only_the_latest_head_of_a_program_is_kept() -> None:
+    r = recognizer()
+    agent = ChatAgent("t")
+    found = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    early = agent.request()
+    r.observe_answer(found.program_id, Protocol.CHAT, early, agent.answer(0), 1.0)
+    agent.continue_with(agent.answer(0), 0)
+    stale = {**agent.request()}
+    r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), agent.answer(1), 2.0)
+    assert r.tracked_heads == 1
+    assert r.recognise(Protocol.CHAT, stale, {}, 3.0).source is Source.NEW
+
+
+def test_heads_are_bounded_least_recently_used_first() -> None:
+    r = recognizer(max_heads=5)
+    agents = [ChatAgent(f"task {i}") for i in range(12)]
+    programs = []
+    for i, agent in enumerate(agents):
+        found = r.recognise(Protocol.CHAT, agent.request(), {}, float(i))
+        r.observe_answer(
+            found.program_id, Protocol.CHAT, agent.request(), agent.answer(0), float(i)
+        )
+        agent.continue_with(agent.answer(0), 0)
+        programs.append(found.program_id)
+    assert r.tracked_heads == 5
+    assert r.recognise(Protocol.CHAT, agents[0].request(), {}, 20.0).source is Source.NEW
+    assert r.recognise(Protocol.CHAT, agents[-1].request(), {}, 20.0).program_id == programs[-1]
+
+
+def test_heads_unused_past_their_lifetime_no_longer_match() -> None:
+    r = recognizer(head_ttl_s=60.0)
+    agent = ChatAgent("t")
+    found = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), agent.answer(0), 0.0)
+    agent.continue_with(agent.answer(0), 0)
+    assert r.recognise(Protocol.CHAT, agent.request(), {}, 59.0).source is Source.PREFIX
+    assert r.recognise(Protocol.CHAT, agent.request(), {}, 120.0).source is Source.NEW
+    assert r.tracked_heads == 0
+
+
+def test_forget_drops_a_released_program() -> None:
+    r = recognizer()
+    agent = ChatAgent("t")
+    found = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), agent.answer(0), 0.0)
+    r.forget(found.program_id)
+    assert r.tracked_heads == 0
+
+
+def test_prefix_switched_off_learns_nothing() -> None:
+    r = recognizer(prefix=False)
+    agent = ChatAgent("t")
+    r.observe_answer("p", Protocol.CHAT, agent.request(), agent.answer(0), 0.0)
+    assert r.tracked_heads == 0
+
+
+def test_config_refuses_bounds_that_would_disable_tracking_silently() -> None:
+    with pytest.raises(ValueError, match="max_heads"):
+        RecognitionConfig(max_heads=0)
+    assert replace(RecognitionConfig(), prefix=False).max_heads > 0
+
+
+def test_request_headers_of_the_web_framework_are_read_in_any_case() -> None:
+    headers = Headers([("X-CLAUDE-CODE-SESSION-ID", SESSION_UUID)])
+    found = recognizer().recognise(Protocol.MESSAGES, anthropic_request(["hi"]), headers, 0.0)
+    assert found.source is Source.CLAUDE_CODE
+
+
+def test_only_calls_tied_by_their_prompt_need_their_answer_observed() -> None:
+    assert Recognised("auto-1", Source.NEW).by_prompt
+    assert Recognised("p", Source.PREFIX).by_prompt
+    assert not Recognised("p", Source.EXPLICIT).by_prompt
+    assert not Recognised("default", Source.DEFAULT).by_prompt
+
+
+def test_a_stateless_previous_response_is_not_a_whole_prompt() -> None:
+    r = recognizer()
+    body = {"input": [{"role": "user", "content": "more"}], "previous_response": {"id": "r"}}
+    r.observe_answer("p", Protocol.RESPONSES, body, "ok", 0.0)
+    assert r.tracked_heads == 0
+
+
+def test_recognising_hashes_each_byte_of_the_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twice the history costs twice the hashing, not four times: links are chained, never
+    recomputed from the start."""
+    from thunderproxy.programs import recognition
+
+    hashed = 0
+    real = recognition._digest
+
+    def counting(data: bytes) -> bytes:
+        nonlocal hashed
+        hashed += len(data)
+        return real(data)
+
+    monkeypatch.setattr(recognition, "_digest", counting)
+
+    def cost(turns: int) -> int:
+        nonlocal hashed
+        agent = ChatAgent("t")
+        for turn in range(turns):
+            agent.continue_with(agent.answer(turn), turn)
+        hashed = 0
+        recognizer().recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+        return hashed
+
+    assert cost(200) <= 2.1 * cost(100)
+
+
+def test_a_response_without_an_id_is_not_remembered() -> None:
+    r = recognizer()
+    r.remember_response(None, "p", 0.0)
+    r.remember_response("", "p", 0.0)
+    assert r.tracked_responses == 0
+
+
+def test_tool_calls_match_by_id_whatever_their_arguments_became() -> None:
+    """Cut off at max_tokens, a tool call's input is not valid JSON; each SDK echoes its own
+    reading of it (the Python SDK sends {}). The id, which the client must send back, decides."""
+    r = recognizer()
+    request = anthropic_request(["Run the tests."])
+    found = r.recognise(Protocol.MESSAGES, request, {}, 0.0)
+    truncated = {
+        "role": "assistant",
+        "content": [
+            {"type": "tool_use", "id": "toolu_9", "name": "bash", "input": '{"command": "pyt'}
+        ],
+    }
+    r.observe_answer(found.program_id, Protocol.MESSAGES, request, truncated, 1.0)
+    echoed = {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "toolu_9", "name": "bash", "input": {}}],
+    }
+    result = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}],
+    }
+    follow = {**request, "messages": request["messages"] + [echoed, result]}
+    assert r.recognise(Protocol.MESSAGES, follow, {}, 2.0) == Recognised(
+        found.program_id, Source.PREFIX
+    )
+
+
+def test_without_ids_tool_calls_match_by_their_arguments_as_values() -> None:
+    def with_call(arguments: str) -> dict[str, Any]:
+        call = {"type": "function", "function": {"name": "ls", "arguments": arguments}}
+        return chat_request(["x"]) | {"messages": [{"role": "assistant", "tool_calls": [call]}]}
+
+    same = chain_elements(Protocol.CHAT, with_call('{"a": 1, "b": [2]}'))
+    assert chain_elements(Protocol.CHAT, with_call('{"b":[2],"a":1}')) == same
+    assert chain_elements(Protocol.CHAT, with_call('{"a": 2, "b": [2]}')) != same
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tasks=st.integers(min_value=2, max_value=6),
+    order=st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=40),
+    same_task=st.booleans(),
+)
+def test_no_interleaving_ever_merges_two_agents(
+    tasks: int, order: list[int], same_task: bool
+) -> None:
+    """Any order of turns; with ``same_task`` every agent even starts from the very same
+    messages (parallel samples), so only the answers tell them apart."""
+    r = recognizer()
+    agents = [ChatAgent("one task" if same_task else f"task {i}") for i in range(tasks)]
+    programs: dict[int, str] = {}
+    turns = dict.fromkeys(range(tasks), 0)
+    for now, pick in enumerate(order):
+        i = pick % tasks
+        agent = agents[i]
+        found = r.recognise(Protocol.CHAT, agent.request(), {}, float(now))
+        if i in programs:
+            assert found == Recognised(programs[i], Source.PREFIX)
+        else:
+            assert found.source is Source.NEW
+            assert found.program_id not in programs.values()
+            programs[i] = found.program_id
+        answer = agent.answer(turns[i])
+        answer["tool_calls"][0]["id"] += f"-{i}"  # the server gives every call its own id
+        r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), answer, float(now))
+        agent.continue_with(answer, turns[i])
+        turns[i] += 1

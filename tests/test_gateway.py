@@ -1,0 +1,219 @@
+"""The call gateway on trio's MockClock, over an in-process backend whose answers each test
+scripts: every way a call can end is recorded exactly once, with the status that happened, and
+reaches the backend's health."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from thunderproxy.audit import AuditLog, StepRecord
+from thunderproxy.audit.records import AuditRecord, RejectionRecord
+from thunderproxy.backends import BackendPool, UpstreamRequest
+from thunderproxy.errors import (
+    BackendTimeout,
+    BackendUnavailable,
+    ModelNotFound,
+)
+from thunderproxy.gateway import Call, Gateway
+from thunderproxy.http.sse import OPENAI
+from thunderproxy.programs import ProgramRegistry
+from thunderproxy.programs.profile import Profiles
+from thunderproxy.scheduling import DefaultPolicy, Scheduler
+from thunderproxy.scheduling.policy import PolicyConfig
+
+URL = "http://fake"
+USAGE = {
+    "prompt_tokens": 30,
+    "completion_tokens": 2,
+    "prompt_tokens_details": {"cached_tokens": 16},
+}
+EVENTS = [
+    b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n',
+    b'data: {"choices":[],"usage":' + json.dumps(USAGE).encode() + b"}\n\n",
+    b"data: [DONE]\n\n",
+]
+
+
+class ScriptedResponse:
+    def __init__(self, status: int, chunks: Sequence[bytes | float], headers: Any) -> None:
+        self.status_code = status
+        self.headers = headers
+        self._chunks = chunks
+        self.closed = False
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        for chunk in self._chunks:
+            if isinstance(chunk, float):
+                await trio.sleep(chunk)  # the backend goes silent this long
+            else:
+                yield chunk
+
+    async def aread(self) -> bytes:
+        return b"".join(c for c in self._chunks if isinstance(c, bytes))
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class ScriptedBackend:
+    status: int = 200
+    chunks: Sequence[bytes | float] = tuple(EVENTS)
+    error: Exception | None = None
+    delay: float = 0.0
+    sent: list[UpstreamRequest] = field(default_factory=list)
+    responses: list[ScriptedResponse] = field(default_factory=list)
+
+    async def send(self, request: UpstreamRequest) -> ScriptedResponse:
+        self.sent.append(request)
+        if self.delay:
+            await trio.sleep(self.delay)
+        if self.error is not None:
+            raise self.error
+        response = ScriptedResponse(
+            self.status, self.chunks, [("content-type", "text/event-stream")]
+        )
+        self.responses.append(response)
+        return response
+
+
+@dataclass
+class Rig:
+    gateway: Gateway
+    backend: ScriptedBackend
+    receive: trio.MemoryReceiveChannel[AuditRecord]
+
+    def records(self, kind: type[Any]) -> list[Any]:
+        out = []
+        while True:
+            try:
+                record = self.receive.receive_nowait()
+            except trio.WouldBlock:
+                return [r for r in out if isinstance(r, kind)]
+            out.append(record)
+
+    @property
+    def node(self) -> Any:
+        return self.gateway.pool.get(URL)
+
+
+def rig(backend: ScriptedBackend, **timeouts: float) -> Rig:
+    send, receive = trio.open_memory_channel[AuditRecord](1000)
+    audit = AuditLog(send, run_id=1)
+    pool = BackendPool(aliases={"coder": ["served-coder"]})
+    pool.attach(URL, backend, models=["served-coder", "m"])
+    scheduler = Scheduler(
+        policy=DefaultPolicy(PolicyConfig()),
+        registry=ProgramRegistry(),
+        pool=pool,
+        audit=audit,
+    )
+    gateway = Gateway(pool=pool, scheduler=scheduler, audit=audit, profiles=Profiles(), **timeouts)
+    return Rig(gateway, backend, receive)
+
+
+def call(model: str = "m", *, stream: bool = True) -> Call:
+    return Call(
+        program_id="p",
+        endpoint="/v1/chat/completions",
+        body={"model": model, "messages": [], "stream": stream},
+        wire=OPENAI,
+        arrived_at=trio.current_time(),
+        model=model,
+        stream=stream,
+        context_chars=400,
+    )
+
+
+async def test_a_streamed_call_is_relayed_and_recorded_once_with_its_usage() -> None:
+    r = rig(ScriptedBackend())
+    async with r.gateway.call(call()) as exchange:
+        assert exchange.is_event_stream
+        relayed = b"".join([chunk async for chunk in exchange.stream()])
+    assert relayed == b"".join(EVENTS)
+    (step,) = r.records(StepRecord)
+    assert (step.status, step.prompt_tokens, step.cached_tokens) == (200, 30, 16)
+    assert step.first_token_at is not None
+    assert r.gateway.scheduler.registry.get("p").in_flight == 0
+    assert r.node.in_flight == 0
+    sent = r.backend.sent[0]
+    assert ("x-request-id", "p-1") in sent.headers
+
+
+async def test_an_alias_is_sent_as_the_served_name() -> None:
+    r = rig(ScriptedBackend())
+    async with r.gateway.call(call("coder")) as exchange:
+        await exchange.read()
+    assert json.loads(r.backend.sent[0].content)["model"] == "served-coder"
+    (step,) = r.records(StepRecord)
+    assert step.model == "coder"  # the name the client asked for
+
+
+async def test_an_unknown_model_is_a_rejection_not_a_step() -> None:
+    r = rig(ScriptedBackend())
+    with pytest.raises(ModelNotFound):
+        await r.gateway.open(call("nope"))
+    records = r.records(object)
+    assert [type(x) for x in records] == [RejectionRecord]
+    assert records[0].status == 404
+    assert r.backend.sent == []
+    assert "p" not in r.gateway.scheduler.registry
+
+
+async def test_a_refused_connection_takes_the_backend_down_and_is_a_502_step() -> None:
+    r = rig(ScriptedBackend(error=BackendUnavailable("refused", backend=URL)))
+    with pytest.raises(BackendUnavailable):
+        await r.gateway.open(call())
+    (step,) = r.records(StepRecord)
+    assert step.status == 502
+    assert not r.node.healthy
+
+
+async def test_no_first_byte_within_the_timeout_is_a_504(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    r = rig(ScriptedBackend(delay=100.0), first_byte_timeout=10.0)
+    with pytest.raises(BackendTimeout):
+        await r.gateway.open(call())
+    (step,) = r.records(StepRecord)
+    assert step.status == 504
+    assert r.node.healthy  # one slow answer does not take a backend out
+    assert r.node.health.failures == 1
+
+
+async def test_silence_mid_stream_ends_it_with_an_error_event_and_a_504(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    r = rig(ScriptedBackend(chunks=[EVENTS[0], 1000.0, EVENTS[2]]), read_timeout=30.0)
+    async with r.gateway.call(call()) as exchange:
+        chunks = [chunk async for chunk in exchange.stream()]
+    assert chunks[0] == EVENTS[0]
+    error = json.loads(chunks[-1].split(b"\n\n")[0][len(b"data: ") :])["error"]
+    assert error["code"] == 504
+    (step,) = r.records(StepRecord)
+    assert step.status == 504
+
+
+@pytest.mark.parametrize(("stopping", "status"), [(False, 499), (True, 503)])
+async def test_a_call_cut_before_its_end_is_the_client_or_the_proxy(
+    stopping: bool, status: int
+) -> None:
+    r = rig(ScriptedBackend())
+    r.gateway.stopping = stopping
+    exchange = await r.gateway.open(call())
+    stream = exchange.stream()
+    await stream.__anext__()
+    await stream.aclose()  # the connection ended with the body half sent
+    await exchange.aclose()
+    await exchange.aclose()  # and a second close changes nothing
+    (step,) = r.records(StepRecord)
+    assert step.status == status
+    assert r.backend.responses[0].closed
+    assert r.gateway.scheduler.registry.get("p").in_flight == 0

@@ -1,0 +1,411 @@
+"""The call gateway: the one owner of an LLM call.
+
+Every completion the proxy makes goes through :meth:`Gateway.open` (or its context-manager form
+:meth:`Gateway.call`), whoever asks for it: the HTTP routes, the benchmark's agents in real or
+virtual time, jobs that run inside the proxy. For each :class:`Call` it runs, in order:
+
+1. the model's group: which backends serve ``call.model`` (an unknown model is refused);
+2. admission (a stage that rate limits plug into; it admits everything by default);
+3. the scheduler's lease: the program's policy decides whether the call goes out now or waits;
+4. ``backend.send`` on the leased backend, within ``first_byte_timeout``;
+
+and hands back an :class:`Exchange`, which relays the answer (reading usage on the way through
+the call's :class:`Wire`) and, when it ends in any way, closes the lease exactly once, reports
+the outcome to the backend's health and records the call's ``steps`` row. A call refused before
+any backend saw it is recorded in ``rejections`` instead. From the moment a call is handed to
+the gateway, nothing else records it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import quote
+
+import trio
+
+from .audit import AuditLog, StepRecord
+from .audit.records import RejectionRecord
+from .backends import BackendNode, BackendPool, UpstreamRequest, UpstreamResponse, header
+from .errors import (
+    BackendError,
+    BackendTimeout,
+    ProxyStopping,
+    ThunderproxyError,
+    describe,
+)
+from .programs import StepUsage
+from .programs.profile import Profiles
+from .scheduling import Scheduler, StepLease
+
+#: Status recorded for a call whose client went away before it ended (nginx's convention).
+CLIENT_CLOSED = 499
+
+
+def header_safe(value: str) -> str:
+    """``value`` as an HTTP header value: program ids may hold any character, headers may not."""
+    if value.isascii() and value.isprintable():
+        return value
+    return quote(value, safe="")
+
+
+class Tap(Protocol):
+    """Reads usage out of a streamed answer (and may hide what the client did not ask for)."""
+
+    usage: StepUsage | None
+    error: str | None
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+
+class Wire(Protocol):
+    """One API's wire format, as far as the gateway needs it."""
+
+    def tap(self, call: Call) -> Tap: ...
+
+    def usage_from_body(self, body: bytes) -> StepUsage | None:
+        """Usage of a whole (non-streamed) answer; raises ValueError if it is not JSON."""
+        ...
+
+    def error_event(self, error: ThunderproxyError) -> bytes:
+        """How a stream that already answered 200 ends when the call fails mid-way."""
+        ...
+
+
+class Admission(Protocol):
+    async def admit(self, call: Call, now: float) -> None:
+        """Return to admit ``call``; raise a ThunderproxyError to refuse it."""
+        ...
+
+
+class AdmitAll:
+    async def admit(self, call: Call, now: float) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One LLM call, protocol-neutral: what to send, for which program, since when."""
+
+    program_id: str
+    endpoint: str
+    body: dict[str, Any]
+    wire: Wire
+    arrived_at: float
+    model: str | None = None
+    stream: bool = False
+    headers: Sequence[tuple[str, str]] = ()
+    #: Characters of prompt text: the token estimate for a program not measured yet.
+    context_chars: int = 0
+    #: The client did not ask for the usage chunk the proxy requested: hide it.
+    hide_usage: bool = False
+    method: str = "POST"
+
+
+@dataclass
+class Exchange:
+    """A call whose backend has answered: relay its body, then it records itself."""
+
+    gateway: Gateway
+    call: Call
+    lease: StepLease
+    response: UpstreamResponse
+    first_token_at: float | None = None
+    usage: StepUsage = field(default_factory=StepUsage)
+    done: bool = False
+
+    @property
+    def status_code(self) -> int:
+        return self.response.status_code
+
+    @property
+    def headers(self) -> Sequence[tuple[str, str]]:
+        return self.response.headers
+
+    @property
+    def node(self) -> BackendNode:
+        return self.lease.node
+
+    @property
+    def is_event_stream(self) -> bool:
+        return (
+            self.call.stream
+            and self.status_code == 200
+            and "text/event-stream" in header(self.response, "content-type")
+        )
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The answer's body as it arrives, usage read on the way. A backend that fails
+        mid-way ends the stream with the wire's error event (the 200 is already out)."""
+        tap = self.call.wire.tap(self.call)
+        chunks = self.response.aiter_raw()
+        try:
+            while True:
+                try:
+                    with trio.fail_after(self.gateway.read_timeout):
+                        chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (BackendError, trio.TooSlowError) as exc:
+                    error = (
+                        exc if isinstance(exc, BackendError) else self.gateway.timeout(self.node)
+                    )
+                    self._take_usage(tap)
+                    self.finish(describe(error)[0], error=error.message)
+                    yield self.call.wire.error_event(error)
+                    return
+                if self.first_token_at is None:
+                    self.first_token_at = trio.current_time()
+                out = tap.feed(chunk)
+                if out:
+                    yield out
+        finally:
+            # The backend's own iterator is closed here, not left to the garbage collector.
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                with trio.CancelScope(shield=True):
+                    await close()
+        tail = tap.flush()
+        self._take_usage(tap)
+        self.finish(self.status_code, error=tap.error)
+        if tail:
+            yield tail
+
+    def _take_usage(self, tap: Tap) -> None:
+        if tap.usage is not None:
+            self.usage = tap.usage
+
+    async def read(self) -> bytes:
+        """The whole answer; its usage (or why it has none) is recorded."""
+        try:
+            with trio.fail_after(self.gateway.read_timeout):
+                content = await self.response.aread()
+        except trio.TooSlowError:
+            timeout = self.gateway.timeout(self.node)
+            self.finish(describe(timeout)[0], error=timeout.message)
+            raise timeout from None
+        except BackendError as exc:
+            self.finish(describe(exc)[0], error=exc.message)
+            raise
+        finally:
+            await self.response.aclose()
+        error = None
+        if self.status_code == 200:
+            try:
+                self.usage = self.call.wire.usage_from_body(content) or StepUsage()
+            except ValueError:
+                error = "backend answered 200 with a body that is not JSON"
+        else:
+            error = content[:500].decode("utf-8", "replace")
+        self.finish(self.status_code, error=error)
+        return content
+
+    def finish(self, status: int, *, error: str | None = None) -> None:
+        """Record the call's outcome (only the first time)."""
+        if self.done:
+            return
+        self.done = True
+        self.gateway.finish(self, status, error)
+
+    async def aclose(self) -> None:
+        """The exchange is over, however it went: a call not finished yet lost its client
+        (499), or the proxy stopped before it could end (503)."""
+        await self.response.aclose()
+        if not self.done:
+            if self.gateway.stopping:
+                stopped = ProxyStopping("The proxy stopped before the response ended.")
+                self.finish(describe(stopped)[0], error=stopped.message)
+            else:
+                self.finish(
+                    CLIENT_CLOSED, error="client closed the connection before the response ended"
+                )
+
+
+class Gateway:
+    """Owns every LLM call: groups, admission, lease, send, and the record of how it went."""
+
+    def __init__(
+        self,
+        *,
+        pool: BackendPool,
+        scheduler: Scheduler,
+        audit: AuditLog,
+        profiles: Profiles,
+        first_byte_timeout: float = 600.0,
+        read_timeout: float = 300.0,
+        admission: Admission | None = None,
+    ) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.audit = audit
+        self.profiles = profiles
+        self.first_byte_timeout = first_byte_timeout
+        self.read_timeout = read_timeout
+        self.admission: Admission = admission or AdmitAll()
+        #: Set when the proxy begins to shut down: calls cut from then on are not the
+        #: client's doing.
+        self.stopping = False
+
+    @asynccontextmanager
+    async def call(self, call: Call) -> AsyncIterator[Exchange]:
+        """``async with gateway.call(c) as exchange:`` read ``exchange.stream()`` or ``read()``."""
+        exchange = await self.open(call)
+        try:
+            yield exchange
+        finally:
+            await exchange.aclose()
+
+    async def open(self, call: Call) -> Exchange:
+        """Run ``call`` up to the backend's answer. Raises the ThunderproxyError that refused
+        or failed it (already recorded), or Cancelled if the caller went away meanwhile."""
+        try:
+            route = self.pool.route(call.model)
+            await self.admission.admit(call, trio.current_time())
+            lease = await self.scheduler.lease(
+                call.program_id,
+                route,
+                arrived_at=call.arrived_at,
+                context_chars=call.context_chars,
+            )
+        except ThunderproxyError as exc:
+            self._reject(call, exc)
+            raise
+        except trio.Cancelled:
+            self._never_sent(call)
+            raise
+        body = call.body
+        if route.served is not None and route.served != call.model:
+            body = {**body, "model": route.served}  # an alias: the backend knows the served name
+        headers = list(call.headers)
+        if not any(name.lower() == "x-request-id" for name, _ in headers):
+            # <program>-<step> names the call in vLLM's logs and the simulator's accounting.
+            headers.append(("x-request-id", header_safe(lease.request_id)))
+        request = UpstreamRequest(call.method, call.endpoint, headers, json.dumps(body).encode())
+        node = lease.node
+        try:
+            with trio.fail_after(self.first_byte_timeout):
+                response = await node.backend.send(request)
+        except trio.TooSlowError:
+            error = self.timeout(node)
+            node.health.failed(error)
+            self._close(lease, call, describe(error)[0], error.message)
+            raise error from None
+        except BackendError as exc:
+            node.health.failed(exc)
+            self._close(lease, call, describe(exc)[0], exc.message)
+            raise
+        except BaseException:
+            status, message = self._cut()
+            self._close(lease, call, status, message)
+            raise
+        node.health.answered(response.status_code)
+        return Exchange(self, call, lease, response)
+
+    def timeout(self, node: BackendNode) -> BackendError:
+        return BackendTimeout(
+            f"Backend {node.url} did not answer in time; it may be overloaded or hung "
+            "(see --first-byte-timeout and --read-timeout).",
+            backend=node.url,
+        )
+
+    def _cut(self) -> tuple[int, str]:
+        if self.stopping:
+            return describe(ProxyStopping(""))[0], "the proxy stopped before the call ended"
+        return CLIENT_CLOSED, "client closed the connection before the response ended"
+
+    def finish(self, exchange: Exchange, status: int, error: str | None) -> None:
+        self._close(
+            exchange.lease,
+            exchange.call,
+            status,
+            error,
+            usage=exchange.usage,
+            first_token_at=exchange.first_token_at,
+        )
+
+    def _close(
+        self,
+        lease: StepLease,
+        call: Call,
+        status: int,
+        error: str | None,
+        *,
+        usage: StepUsage | None = None,
+        first_token_at: float | None = None,
+    ) -> None:
+        usage = usage or StepUsage()
+        if status == CLIENT_CLOSED:
+            reason = "client disconnected"
+        elif status >= 400:
+            reason = f"request failed ({status})"
+        else:
+            reason = "response complete"
+        if not self.scheduler.close(lease, usage, reason=reason):
+            return
+        now = trio.current_time()
+        record = StepRecord.from_outcome(
+            lease,
+            program_id=lease.program.program_id,
+            backend=lease.node.url,
+            endpoint=call.endpoint,
+            model=call.model,
+            stream=call.stream,
+            usage=usage,
+            status=status,
+            first_token_at=first_token_at,
+            finished_at=now,
+            error=error,
+        )
+        self.audit.record(record)
+        first = first_token_at
+        self.profiles.add_step(
+            lease.program.program_id,
+            prefill_s=None if first is None else first - lease.sent_at,
+            decode_s=None if first is None else now - first,
+            pause_s=record.queue_s,
+            tool_s=lease.tool_s,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+        )
+
+    def _reject(self, call: Call, error: ThunderproxyError) -> None:
+        status, error_type = describe(error)
+        self.audit.record(
+            RejectionRecord(
+                at=trio.current_time(),
+                method=call.method,
+                path=call.endpoint,
+                status=status,
+                error_type=error_type,
+                message=error.message,
+                program_id=call.program_id,
+            )
+        )
+
+    def _never_sent(self, call: Call) -> None:
+        """The caller left while its program was paused: the call is dropped for good."""
+        program = self.scheduler.registry.find(call.program_id)
+        status, message = self._cut()
+        self.audit.record(
+            StepRecord.never_sent(
+                program_id=call.program_id,
+                step=0 if program is None else program.step_count + 1,
+                endpoint=call.endpoint,
+                model=call.model,
+                stream=call.stream,
+                arrived_at=call.arrived_at,
+                finished_at=trio.current_time(),
+                status=status,
+                error="client closed the connection while the program was paused"
+                if status == CLIENT_CLOSED
+                else message,
+            )
+        )
+
+
+__all__ = ["AdmitAll", "Admission", "Call", "Exchange", "Gateway", "Tap", "Wire"]

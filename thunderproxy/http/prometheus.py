@@ -1,0 +1,149 @@
+"""The proxy's own metrics in Prometheus' text format, rendered from one ``ProxyStatistics``.
+
+Served at ``/metrics/prometheus``, and at ``/metrics`` to a client whose ``Accept`` prefers the
+Prometheus formats (a Prometheus scraper does; browsers and curl get the JSON ``/metrics``).
+A fresh registry per render, holding one collector over the snapshot: nothing global, so two
+proxies in one process (tests, the bench) never see each other's metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from ..statistics import ProxyStatistics
+
+PROMETHEUS_PATH = "/metrics/prometheus"
+#: Text format 0.0.4: every Prometheus version reads it (it is in the scraper's Accept list).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "thunderproxy"
+
+_PROMETHEUS_TYPES = frozenset({"application/openmetrics-text", "text/plain"})
+
+#: Help text per histogram name; an unknown name still renders, with a generic help.
+_HISTOGRAM_HELP = {
+    "ttft": "Seconds from a call's arrival to its first generated token.",
+    "prefill": "Seconds from sending a call upstream to its first generated token.",
+    "decode": "Seconds from the first generated token to the end of the answer.",
+    "queue_wait": "Seconds a call waited for its program to be admitted or resumed.",
+}
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: ProxyStatistics) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        programs = GaugeMetricFamily(
+            f"{PREFIX}_programs", "Tracked programs, by state.", labels=["state"]
+        )
+        for state, n in sorted(s.programs_by_state.items()):
+            programs.add_metric([state], n)
+        yield programs
+
+        healthy = GaugeMetricFamily(
+            f"{PREFIX}_backend_healthy", "1 if the backend is healthy.", labels=["backend"]
+        )
+        capacity = GaugeMetricFamily(
+            f"{PREFIX}_backend_kv_capacity_tokens",
+            "KV cache capacity of the backend, in tokens.",
+            labels=["backend"],
+        )
+        used = GaugeMetricFamily(
+            f"{PREFIX}_backend_kv_used_tokens",
+            "KV cache tokens in use on the backend.",
+            labels=["backend"],
+        )
+        in_flight = GaugeMetricFamily(
+            f"{PREFIX}_backend_in_flight",
+            "Calls sent to the backend and not yet finished.",
+            labels=["backend"],
+        )
+        for backend in s.backends:
+            healthy.add_metric([backend.url], 1.0 if backend.healthy else 0.0)
+            in_flight.add_metric([backend.url], backend.in_flight)
+            # Unknown is left out rather than shown as 0, which would read as "empty".
+            if backend.kv_capacity_tokens is not None:
+                capacity.add_metric([backend.url], backend.kv_capacity_tokens)
+            if backend.kv_used_tokens is not None:
+                used.add_metric([backend.url], backend.kv_used_tokens)
+        yield from (healthy, capacity, used, in_flight)
+
+        steps = CounterMetricFamily(
+            f"{PREFIX}_steps", "Finished LLM calls, by HTTP status.", labels=["status"]
+        )
+        for status, n in sorted(s.steps_by_status.items()):
+            steps.add_metric([status], n)
+        yield steps
+        yield CounterMetricFamily(f"{PREFIX}_pauses", "Programs paused.", value=s.pauses)
+        yield CounterMetricFamily(f"{PREFIX}_resumes", "Programs resumed.", value=s.resumes)
+        yield CounterMetricFamily(
+            f"{PREFIX}_audit_rows_written",
+            "Rows written to the audit db.",
+            value=s.audit_rows_written,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_audit_rows_dropped",
+            "Audit rows dropped because the writer's queue was full.",
+            value=s.audit_rows_dropped,
+        )
+
+        for name, histogram in sorted(s.histograms.items()):
+            help_text = _HISTOGRAM_HELP.get(name, f"Seconds of {name}.")
+            buckets = [
+                ("+Inf" if bound == float("inf") else repr(float(bound)), n)
+                for bound, n in histogram.cumulative()
+            ]
+            yield HistogramMetricFamily(
+                f"{PREFIX}_{name}_seconds", help_text, buckets=buckets, sum_value=histogram.sum
+            )
+
+
+def render(snapshot: ProxyStatistics) -> bytes:
+    """The snapshot in Prometheus' text format 0.0.4 (serve it with ``CONTENT_TYPE``)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(snapshot))
+    return generate_latest(registry)
+
+
+def _media_ranges(accept: str) -> Iterator[tuple[str, float]]:
+    for item in accept.split(","):
+        media, *params = (part.strip() for part in item.split(";"))
+        q = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        if media:
+            yield media.lower(), q
+
+
+def wants_prometheus(accept_header: str | None, path: str) -> bool:
+    """Whether this request for the metrics should get the Prometheus text rather than JSON:
+    always at ``/metrics/prometheus``; at ``/metrics`` when ``Accept`` names a Prometheus format
+    (``application/openmetrics-text`` or ``text/plain``) with a weight above zero and at least
+    that of ``application/json``. Wildcards alone keep JSON, the endpoint's original form."""
+    path = path.rstrip("/") or "/"
+    if path == PROMETHEUS_PATH:
+        return True
+    if path != "/metrics" or not accept_header:
+        return False
+    prometheus = json = 0.0
+    for media, q in _media_ranges(accept_header):
+        if media in _PROMETHEUS_TYPES:
+            prometheus = max(prometheus, q)
+        elif media == "application/json":
+            json = max(json, q)
+    return prometheus > 0 and prometheus >= json

@@ -1,0 +1,185 @@
+"""The wire protocols agents speak, each turned into what the gateway needs and back.
+
+One module per protocol (``openai_chat``: chat and legacy completions, ``anthropic``: Messages,
+``responses``: OpenAI Responses), sharing ``base``. This package only reads and checks; it does
+no I/O, so the gateway calls it with bytes and JSON it already has:
+
+    protocol = ROUTES[path]                        # or None: not a scheduled route
+    prepared = prepare(protocol, body)             # raises InvalidRequest; error_body() renders it
+    tap = new_tap(prepared, collect_answer=True)   # streamed answers
+    forwarded = tap.feed(chunk); ...; tail = tap.flush()
+    usage, problem = read_usage(protocol, payload) # non-streamed answers
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ThunderproxyError, describe
+from . import anthropic, openai_chat, responses
+from .anthropic import MessagesTap
+from .base import (
+    MAX_EVENT_BYTES,
+    MAX_TOKENS,
+    Prepared,
+    Protocol,
+    SseTap,
+    Usage,
+    error_body,
+    sse_error_event,
+)
+from .openai_chat import ChatTap
+from .responses import ResponsesTap, response_id_from_body
+
+if TYPE_CHECKING:
+    from ..gateway import Call
+
+#: The scheduled routes: each call through them is one step of a program.
+ROUTES: dict[str, Protocol] = {
+    "/v1/chat/completions": Protocol.CHAT,
+    "/v1/completions": Protocol.COMPLETIONS,
+    "/v1/messages": Protocol.MESSAGES,
+    "/v1/responses": Protocol.RESPONSES,
+}
+
+#: Routes that are checked in their protocol's terms but generate nothing, so need no scheduling:
+#: the gateway passes them to the program's backend (or any healthy one) straight away.
+UNSCHEDULED_ROUTES: dict[str, Protocol] = {"/v1/messages/count_tokens": Protocol.MESSAGES}
+
+
+def prepare(protocol: Protocol, body: dict[str, Any]) -> Prepared:
+    """Check ``body`` for ``protocol`` and return what the call needs (raises InvalidRequest)."""
+    if protocol is Protocol.CHAT:
+        return openai_chat.prepare_chat(body)
+    if protocol is Protocol.COMPLETIONS:
+        return openai_chat.prepare_completions(body)
+    if protocol is Protocol.MESSAGES:
+        return anthropic.prepare_messages(body)
+    return responses.prepare_responses(body)
+
+
+def tap_for(
+    protocol: Protocol, *, hide_usage: bool = False, collect_answer: bool = False
+) -> SseTap:
+    """The stream tap of ``protocol``. ``hide_usage`` (chat and completions) removes the usage
+    chunk the client did not ask for; ``collect_answer`` rebuilds the answer for
+    ``observe_answer`` (Responses answers come whole in their final event either way)."""
+    if protocol in (Protocol.CHAT, Protocol.COMPLETIONS):
+        return ChatTap(hide_usage_chunk=hide_usage, collect_answer=collect_answer)
+    if protocol is Protocol.MESSAGES:
+        return MessagesTap(collect_answer=collect_answer)
+    return ResponsesTap()
+
+
+def new_tap(prepared: Prepared, *, collect_answer: bool = False) -> SseTap:
+    """The stream tap for a prepared call."""
+    return tap_for(prepared.protocol, hide_usage=prepared.hide_usage, collect_answer=collect_answer)
+
+
+class ProtocolWire:
+    """The gateway's ``Wire`` for one call of any protocol (``Call.wire``).
+
+    Make one per call: it keeps the tap it hands the gateway, so that once the stream is over
+    the edge can read what the gateway does not need: ``answer()`` for ``observe_answer`` and
+    ``response_id`` for ``remember_response``.
+    """
+
+    def __init__(self, protocol: Protocol, *, collect_answer: bool = False) -> None:
+        self.protocol = protocol
+        self.collect_answer = collect_answer
+        self.last_tap: SseTap | None = None
+
+    def tap(self, call: Call) -> SseTap:
+        self.last_tap = tap_for(
+            self.protocol, hide_usage=call.hide_usage, collect_answer=self.collect_answer
+        )
+        return self.last_tap
+
+    def usage_from_body(self, body: bytes) -> Usage | None:
+        """Usage of a whole answer; raises ValueError if the body is not JSON."""
+        return usage_from_body(self.protocol, json.loads(body))
+
+    def error_event(self, error: ThunderproxyError) -> bytes:
+        status, error_type = describe(error)
+        return sse_error_event(self.protocol, status, error_type, error.message, param=error.param)
+
+
+def read_usage(protocol: Protocol, payload: Any) -> tuple[Usage | None, str | None]:
+    """Usage of a non-streamed answer, and why it was refused (negative counts) if it was."""
+    if protocol is Protocol.MESSAGES:
+        return anthropic.usage_from(payload)
+    if protocol is Protocol.RESPONSES:
+        return responses.usage_from(payload)
+    return openai_chat.usage_from(payload)
+
+
+def usage_from_body(protocol: Protocol, payload: Any) -> Usage | None:
+    """Usage of a non-streamed answer; None when absent or refused (``read_usage`` says why)."""
+    return read_usage(protocol, payload)[0]
+
+
+def answer_from_body(protocol: Protocol, payload: Any) -> Any:
+    """The answer of a non-streamed call, in the shape ``observe_answer`` takes."""
+    if protocol is Protocol.MESSAGES:
+        return anthropic.answer_from_body(payload)
+    if protocol is Protocol.RESPONSES:
+        return responses.answer_from_body(payload)
+    if protocol is Protocol.COMPLETIONS:
+        return None  # a plain prompt string has no message structure to continue
+    return openai_chat.answer_from_body(payload)
+
+
+def chain_elements(protocol: Protocol, body: dict[str, Any]) -> list[Any]:
+    """The prompt of a request as comparable values, one per message (or input item)."""
+    if protocol is Protocol.MESSAGES:
+        return anthropic.chain_elements(body)
+    if protocol is Protocol.RESPONSES:
+        return responses.chain_elements(body)
+    if protocol is Protocol.COMPLETIONS:
+        return []
+    return openai_chat.chain_elements(body)
+
+
+def answer_elements(protocol: Protocol, answer: Any) -> list[Any]:
+    """The elements an answer adds to the prompt of the next call."""
+    if protocol is Protocol.MESSAGES:
+        return anthropic.answer_elements(answer)
+    if protocol is Protocol.RESPONSES:
+        return responses.answer_elements(answer)
+    if protocol is Protocol.COMPLETIONS:
+        return []
+    return openai_chat.answer_elements(answer)
+
+
+__all__ = [
+    "MAX_EVENT_BYTES",
+    "MAX_TOKENS",
+    "ROUTES",
+    "UNSCHEDULED_ROUTES",
+    "ChatTap",
+    "ProtocolWire",
+    "MessagesTap",
+    "Prepared",
+    "Protocol",
+    "ResponsesTap",
+    "SseTap",
+    "Usage",
+    "answer_elements",
+    "answer_from_body",
+    "chain_elements",
+    "error_body",
+    "new_tap",
+    "prepare",
+    "read_usage",
+    "response_id_from_body",
+    "sse_error_event",
+    "tap_for",
+    "usage_from_body",
+]
+
+if TYPE_CHECKING:
+    from ..gateway import Wire
+
+    # Never run: it makes the type checker prove that ProtocolWire is the gateway's Wire.
+    _WIRE: Wire = ProtocolWire(Protocol.CHAT)

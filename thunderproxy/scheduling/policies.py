@@ -1,0 +1,165 @@
+"""Scheduling policies by name: ``default`` and ``tr`` implement one protocol, and the
+scheduler applies whatever decisions the chosen one returns.
+
+A policy is pure: it reads the views it is given (built lazily, so a policy that never looks
+costs nothing) and ``now``, and returns decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from functools import cached_property
+from typing import Protocol
+
+from ..programs import ProgramStatus
+from . import policy
+from .policy import Action, BackendView, Decision, PolicyConfig, ProgramView
+
+
+class Views:
+    """The programs and backends as the policy sees them, built on first use."""
+
+    def __init__(
+        self,
+        programs: Callable[[], list[ProgramView]],
+        backends: Callable[[], list[BackendView]],
+        idle: Callable[[float], list[ProgramView]] | None = None,
+    ) -> None:
+        self._programs = programs
+        self._backends = backends
+        self._idle = idle
+
+    def idle(self, seconds: float) -> list[ProgramView]:
+        """Programs without activity for ``seconds`` or more (all programs, if not narrowed)."""
+        if self._idle is None:
+            return self.programs
+        return self._idle(seconds)
+
+    @cached_property
+    def programs(self) -> list[ProgramView]:
+        return self._programs()
+
+    @cached_property
+    def backends(self) -> list[BackendView]:
+        return self._backends()
+
+    def backend(self, url: str) -> BackendView:
+        return next(b for b in self.backends if b.url == url)
+
+
+class Policy(Protocol):
+    name: str
+    config: PolicyConfig
+
+    def admit(self, candidate: ProgramView, views: Views, now: float) -> Decision | None:
+        """A new program's first call: ADMIT or QUEUE on ``candidate.backend`` (None: admit
+        without a decision to log)."""
+        ...
+
+    def on_return(self, program: ProgramView, views: Views, now: float) -> Decision | None:
+        """An acting program's next call arrived: ADMIT, or PAUSE until there is room."""
+        ...
+
+    def rebalance(
+        self, views: Views, now: float, *, backends: frozenset[str] | None = None
+    ) -> list[Decision]:
+        """Pauses and marks where a backend is over capacity, then resumes where there is room."""
+        ...
+
+    def retire(self, views: Views, now: float) -> list[Decision]: ...
+
+    def expected_wait(self, position: int, resume_times: Sequence[float], now: float) -> float: ...
+
+
+class DefaultPolicy:
+    """Only proxies: every call goes out at once; idle programs are still retired."""
+
+    name = "default"
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+
+    def admit(self, candidate: ProgramView, views: Views, now: float) -> Decision | None:
+        return None
+
+    def on_return(self, program: ProgramView, views: Views, now: float) -> Decision | None:
+        return None
+
+    def rebalance(
+        self, views: Views, now: float, *, backends: frozenset[str] | None = None
+    ) -> list[Decision]:
+        return []
+
+    def retire(self, views: Views, now: float) -> list[Decision]:
+        if self.config.idle_lease_s <= 0:
+            return []
+        return policy.retire(views.idle(self.config.idle_lease_s), self.config, now)
+
+    def expected_wait(self, position: int, resume_times: Sequence[float], now: float) -> float:
+        return 0.0
+
+
+class TrPolicy(DefaultPolicy):
+    """Pauses and resumes whole programs so the running ones keep their KV cache (policy.py)."""
+
+    name = "tr"
+
+    def admit(self, candidate: ProgramView, views: Views, now: float) -> Decision | None:
+        assert candidate.backend is not None
+        return policy.admit(
+            candidate, views.backend(candidate.backend), views.programs, self.config, now
+        )
+
+    def on_return(self, program: ProgramView, views: Views, now: float) -> Decision | None:
+        if not self.config.gate_returns or program.backend is None:
+            return None
+        return policy.on_return(
+            program, views.backend(program.backend), views.programs, self.config, now
+        )
+
+    def rebalance(
+        self, views: Views, now: float, *, backends: frozenset[str] | None = None
+    ) -> list[Decision]:
+        programs = views.programs
+        decisions: list[Decision] = []
+        for view in views.backends:
+            if backends is None or view.url in backends:
+                decisions += policy.enforce(view, programs, self.config, now)
+        if decisions:
+            programs = after(programs, decisions, now)
+        if any(p.status is ProgramStatus.PAUSED for p in programs):
+            decisions += policy.resume(views.backends, programs, self.config, now)
+        return decisions
+
+    def expected_wait(self, position: int, resume_times: Sequence[float], now: float) -> float:
+        return policy.expected_wait(position, resume_times, self.config, now)
+
+
+def after(
+    programs: Sequence[ProgramView], decisions: Sequence[Decision], now: float
+) -> list[ProgramView]:
+    """The programs as they will be once pauses and marks are applied."""
+    changes = {d.program_id: d.action for d in decisions}
+    out = []
+    for p in programs:
+        action = changes.get(p.program_id)
+        if action is Action.PAUSE:
+            p = dataclasses.replace(p, status=ProgramStatus.PAUSED, paused_since=now, marked=False)
+        elif action is Action.MARK:
+            p = dataclasses.replace(p, marked=True)
+        out.append(p)
+    return out
+
+
+POLICIES: dict[str, Callable[[PolicyConfig], Policy]] = {
+    DefaultPolicy.name: DefaultPolicy,
+    TrPolicy.name: TrPolicy,
+}
+
+
+def policy_named(name: str, config: PolicyConfig) -> Policy:
+    try:
+        return POLICIES[name](config)
+    except KeyError:
+        raise ValueError(f"unknown router {name!r}; choose one of {', '.join(POLICIES)}") from None

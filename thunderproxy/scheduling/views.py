@@ -1,0 +1,113 @@
+"""What the policy sees: frozen views of the programs and backends, built from the registry,
+the pool and what the scheduler learned about each backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..backends import BackendPool
+from ..errors import ModelNotFound
+from ..programs import Program, ProgramRegistry
+from .learners import CapacityFactor, SharedPrefix
+from .policies import Views
+from .policy import BackendView, PolicyConfig, ProgramView, decay
+
+
+@dataclass
+class BackendSchedule:
+    """What the scheduler learns about one backend beyond its metrics."""
+
+    shared_prefix: SharedPrefix = SharedPrefix()
+    capacity: CapacityFactor = CapacityFactor()
+    last_pause_at: float | None = None
+    last_resume_at: float | None = None
+    #: The last capacity seen, kept when a poll fails so scheduling does not stop.
+    capacity_tokens: int | None = None
+
+
+class ViewSource:
+    def __init__(self, registry: ProgramRegistry, pool: BackendPool, config: PolicyConfig) -> None:
+        self.registry = registry
+        self.pool = pool
+        self.config = config
+        self._schedules: dict[str, BackendSchedule] = {}
+        #: Backends serving each model; cleared by ``refresh`` (after each metrics poll).
+        self._eligible: dict[str | None, frozenset[str] | None] = {}
+
+    def refresh(self) -> None:
+        self._eligible.clear()
+
+    def schedule_of(self, url: str) -> BackendSchedule:
+        schedule = self._schedules.get(url)
+        if schedule is None:
+            schedule = self._schedules[url] = BackendSchedule()
+        return schedule
+
+    def backend_views(self) -> list[BackendView]:
+        views = []
+        for node in self.pool:
+            schedule = self.schedule_of(node.url)
+            capacity = node.capacity_tokens
+            if capacity is not None:
+                schedule.capacity_tokens = capacity
+            views.append(
+                BackendView(
+                    url=node.url,
+                    healthy=node.healthy,
+                    capacity_tokens=schedule.capacity_tokens,
+                    shared_prefix_tokens=schedule.shared_prefix.tokens,
+                    capacity_factor=schedule.capacity.factor,
+                    last_pause_at=schedule.last_pause_at,
+                    last_resume_at=schedule.last_resume_at,
+                )
+            )
+        return views
+
+    def eligible(self, model: str | None) -> frozenset[str] | None:
+        """The backends a program of ``model`` may use (None: any of them)."""
+        if model not in self._eligible:
+            try:
+                urls = self.pool.route(model).urls
+            except ModelNotFound:
+                return None  # no backend serves it now: nothing to keep it to
+            self._eligible[model] = None if urls == frozenset(self.pool.urls) else urls
+        return self._eligible[model]
+
+    def program_view(self, p: Program) -> ProgramView:
+        return ProgramView(
+            program_id=p.program_id,
+            status=p.status,
+            backend=p.backend,
+            tokens=p.total_tokens,
+            created_at=p.created_at,
+            acting_since=p.acting_since,
+            paused_since=p.paused_since,
+            waiting_since=p.waiting_since,
+            marked=p.marked_for_pause,
+            protected_until=p.protected_until,
+            last_activity=p.last_activity,
+            in_flight=p.in_flight,
+            eligible=self.eligible(p.model),
+        )
+
+    def views(self, now: float) -> Views:
+        """What the policy sees at ``now``: the programs a decision can involve (an idle
+        program whose claim on KV has decayed to nothing cannot change one), and on demand the
+        programs idle for a while (for retiring)."""
+        config = self.config
+
+        def claims(p: Program) -> bool:
+            idle = 0.0 if p.acting_since is None else now - p.acting_since
+            tokens = p.total_tokens * config.tool_coefficient
+            return (
+                p.waiting_since is not None
+                or int(tokens * decay(idle, config.acting_half_life_s)) > 0
+            )
+
+        def programs() -> list[ProgramView]:
+            return [self.program_view(p) for p in self.registry.relevant(claims)]
+
+        def idle(seconds: float) -> list[ProgramView]:
+            return [self.program_view(p) for p in self.registry.idle_since(now - seconds)]
+
+        return Views(programs, self.backend_views, idle)

@@ -1,0 +1,49 @@
+"""Requests waiting for their paused program to be resumed."""
+
+from __future__ import annotations
+
+import trio
+
+
+class Waiter:
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self.error: Exception | None = None
+
+    @property
+    def woken(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> None:
+        """Until woken; raises the error it was woken with (the program was released)."""
+        await self._event.wait()
+        if self.error is not None:
+            raise self.error
+
+    def wake(self, error: Exception | None) -> None:
+        self.error = error
+        self._event.set()
+
+
+class Waiters:
+    def __init__(self) -> None:
+        self._by_program: dict[str, list[Waiter]] = {}
+
+    def add(self, program_id: str) -> Waiter:
+        waiter = Waiter()
+        self._by_program.setdefault(program_id, []).append(waiter)
+        return waiter
+
+    def drop(self, program_id: str, waiter: Waiter) -> bool:
+        """Forget ``waiter``; True when no request of the program waits any more."""
+        waiters = self._by_program.get(program_id, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+        if waiters:
+            return False
+        self._by_program.pop(program_id, None)
+        return True
+
+    def wake(self, program_id: str, error: Exception | None = None) -> None:
+        for waiter in self._by_program.pop(program_id, []):
+            waiter.wake(error)

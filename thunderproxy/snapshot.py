@@ -1,0 +1,69 @@
+"""``Statistics``: one frozen snapshot of the running proxy, taken in one place.
+
+``/health``, ``/metrics`` (JSON, and Prometheus text) and any reporter read this instead of
+each walking the registry and the pool; it is cheap to take and never changes after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .audit.writer import AuditStatistics
+from .backends import BackendPool
+from .backends.metrics import EngineSnapshot
+from .programs import ProgramRegistry, ProgramStatus
+from .programs.registry import BackendLoad
+
+
+@dataclass(frozen=True)
+class BackendStatistics:
+    url: str
+    healthy: bool
+    last_error: str | None
+    in_flight: int
+    models: tuple[str, ...] | None
+    engine: EngineSnapshot | None
+    load: BackendLoad
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        return None if self.engine is None else self.engine.capacity_tokens
+
+
+@dataclass(frozen=True)
+class Statistics:
+    router: str
+    programs: int
+    by_status: dict[ProgramStatus, int]
+    backends: tuple[BackendStatistics, ...]
+    served_models: tuple[str, ...]
+    audit: AuditStatistics
+
+    @property
+    def healthy_backends(self) -> list[str]:
+        return [b.url for b in self.backends if b.healthy]
+
+
+def take(
+    *, router: str, registry: ProgramRegistry, pool: BackendPool, audit: AuditStatistics
+) -> Statistics:
+    loads = registry.load_by_backend()
+    return Statistics(
+        router=router,
+        programs=len(registry),
+        by_status=registry.counts(),
+        backends=tuple(
+            BackendStatistics(
+                url=node.url,
+                healthy=node.healthy,
+                last_error=node.last_error,
+                in_flight=node.in_flight,
+                models=None if node.models is None else tuple(sorted(node.models)),
+                engine=node.snapshot,
+                load=loads.get(node.url, BackendLoad()),
+            )
+            for node in pool
+        ),
+        served_models=tuple(pool.served_models()),
+        audit=audit,
+    )

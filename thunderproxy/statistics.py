@@ -1,0 +1,182 @@
+"""The proxy's own statistics: one frozen snapshot that every reader (JSON /metrics, Prometheus,
+/health, load reports) renders, and the histogram accumulator the core fills as steps finish.
+
+The core owns the counting; readers only ever see a ``ProxyStatistics``, so rendering never
+touches live state and needs no locks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .snapshot import Statistics
+
+#: Upper bounds (seconds) of the latency buckets: from a cached prefill (milliseconds) to a wait
+#: behind a paused program (minutes). Fixed, so histograms from different runs add up.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+
+#: The latencies of one step, as the ``steps`` table splits them.
+HISTOGRAM_NAMES: tuple[str, ...] = ("ttft", "prefill", "decode", "queue_wait")
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """Observations per bucket: ``counts[i]`` fell in ``(bounds[i-1], bounds[i]]``; the last
+    count is past the last bound (Prometheus' ``+Inf``). Not cumulative."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations at or below it), ending with (+inf, count)."""
+        running = 0
+        out = []
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+class Histograms:
+    """Latency histograms with fixed buckets, one per name. ``observe`` is O(log buckets)."""
+
+    def __init__(
+        self,
+        names: Iterable[str] = HISTOGRAM_NAMES,
+        bounds: tuple[float, ...] = LATENCY_BUCKETS,
+    ) -> None:
+        if list(bounds) != sorted(set(bounds)) or not bounds:
+            raise ValueError("histogram bounds must be a non-empty, strictly increasing tuple")
+        self.bounds = bounds
+        self._counts = {name: [0] * (len(bounds) + 1) for name in names}
+        self._sums = dict.fromkeys(self._counts, 0.0)
+        #: Values refused (negative, NaN or infinite): a clock bug upstream, never a latency.
+        self.rejected = 0
+
+    def observe(self, name: str, value: float) -> None:
+        counts = self._counts.get(name)
+        if counts is None:
+            raise KeyError(
+                f"no histogram named {name!r}; known: {', '.join(self._counts)} "
+                "(pass extra names to Histograms(names=...))"
+            )
+        if not math.isfinite(value) or value < 0:
+            self.rejected += 1
+            return
+        counts[bisect.bisect_left(self.bounds, value)] += 1
+        self._sums[name] += value
+
+    def snapshot(self) -> Mapping[str, HistogramSnapshot]:
+        return MappingProxyType(
+            {
+                name: HistogramSnapshot(self.bounds, tuple(counts), self._sums[name])
+                for name, counts in self._counts.items()
+            }
+        )
+
+
+@dataclass(frozen=True)
+class BackendStatistics:
+    """One backend as the poller and the scheduler see it (None: not known, e.g. no metrics)."""
+
+    url: str
+    healthy: bool
+    kv_capacity_tokens: int | None = None
+    kv_used_tokens: int | None = None
+    #: Calls sent to it and not yet finished.
+    in_flight: int = 0
+
+
+def _frozen(mapping: Mapping[str, int] | None) -> Mapping[str, int]:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True)
+class ProxyStatistics:
+    """Everything the proxy reports about itself at one moment."""
+
+    #: Programs per state ("reasoning", "acting", "paused", ...).
+    programs_by_state: Mapping[str, int] = field(default_factory=lambda: _frozen(None))
+    backends: tuple[BackendStatistics, ...] = ()
+    #: Finished steps per HTTP status ("200", "499", "502", ...).
+    steps_by_status: Mapping[str, int] = field(default_factory=lambda: _frozen(None))
+    pauses: int = 0
+    resumes: int = 0
+    audit_rows_written: int = 0
+    audit_rows_dropped: int = 0
+    histograms: Mapping[str, HistogramSnapshot] = field(
+        default_factory=lambda: Histograms().snapshot()
+    )
+
+    def __post_init__(self) -> None:
+        # Callers pass plain dicts; keep read-only copies so the snapshot cannot change later.
+        object.__setattr__(self, "programs_by_state", _frozen(self.programs_by_state))
+        object.__setattr__(self, "steps_by_status", _frozen(self.steps_by_status))
+        object.__setattr__(self, "histograms", MappingProxyType(dict(self.histograms)))
+
+
+def from_snapshot(
+    snapshot: Statistics,
+    *,
+    steps_by_status: Mapping[str, int] | None = None,
+    pauses: int = 0,
+    resumes: int = 0,
+    histograms: Mapping[str, HistogramSnapshot] | None = None,
+) -> ProxyStatistics:
+    """The Prometheus view of the proxy's one snapshot, plus the counters the snapshot does not
+    carry (the core counts steps, pauses and resumes as they happen). KV tokens in use are the
+    backend's reported fraction of its capacity; unknown when either is."""
+    backends = []
+    for backend in snapshot.backends:
+        engine = backend.engine
+        capacity = backend.capacity_tokens
+        used = None
+        if engine is not None and engine.kv_usage is not None and capacity is not None:
+            used = round(engine.kv_usage * capacity)
+        backends.append(
+            BackendStatistics(
+                url=backend.url,
+                healthy=backend.healthy,
+                kv_capacity_tokens=capacity,
+                kv_used_tokens=used,
+                in_flight=backend.in_flight,
+            )
+        )
+    return ProxyStatistics(
+        programs_by_state={status.value: n for status, n in snapshot.by_status.items()},
+        backends=tuple(backends),
+        steps_by_status=steps_by_status or {},
+        pauses=pauses,
+        resumes=resumes,
+        audit_rows_written=snapshot.audit.written,
+        audit_rows_dropped=snapshot.audit.dropped,
+        histograms=histograms if histograms is not None else Histograms().snapshot(),
+    )

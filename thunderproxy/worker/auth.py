@@ -1,0 +1,178 @@
+"""The autoscaler's request signatures: what is signed, how it is checked, and replays.
+
+The autoscaler signs ``cost, endpoint, reqnum, request_idx, url`` of every request it routes:
+RSA PKCS#1 v1.5 over SHA-256 of ``json.dumps(fields, indent=4, sort_keys=True)``, sent base64
+in ``signature``. The values are signed as the autoscaler typed them (``cost`` may be a string
+or a number), so they are kept exactly as they arrive in a JSON body; in a query string every
+value is text, and numbers are restored the way the autoscaler's own client encodes them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import heapq
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+#: The signed fields, and the query parameters that carry them on bodiless requests.
+SIGNED_FIELDS = ("cost", "endpoint", "reqnum", "request_idx", "url")
+QUERY_PREFIX = "serverless_"
+QUERY_FIELDS = tuple(QUERY_PREFIX + name for name in (*SIGNED_FIELDS, "signature"))
+
+
+class AuthDataError(ValueError):
+    """``auth_data`` is missing a field or has one of the wrong type."""
+
+
+@dataclass(frozen=True)
+class AuthData:
+    cost: Any
+    endpoint: str
+    reqnum: int
+    request_idx: int
+    url: str
+    signature: str
+
+    @property
+    def workload(self) -> float:
+        """The request's workload in the benchmark's units (the autoscaler's ``cost``)."""
+        try:
+            value = float(self.cost)
+        except (TypeError, ValueError):
+            raise AuthDataError(f"auth_data.cost {self.cost!r} is not a number") from None
+        if value < 0 or value != value:
+            raise AuthDataError(f"auth_data.cost {self.cost!r} must be a number >= 0")
+        return value
+
+    def message(self) -> bytes:
+        """The exact bytes the autoscaler signed."""
+        fields = {name: getattr(self, name) for name in SIGNED_FIELDS}
+        return json.dumps(fields, indent=4, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: Any) -> AuthData:
+        if not isinstance(raw, Mapping):
+            raise AuthDataError("auth_data must be a JSON object")
+        missing = [name for name in (*SIGNED_FIELDS, "signature") if name not in raw]
+        if missing:
+            raise AuthDataError(f"auth_data lacks {', '.join(missing)}")
+        for name in ("reqnum", "request_idx"):
+            if not isinstance(raw[name], int) or isinstance(raw[name], bool):
+                raise AuthDataError(f"auth_data.{name} must be an integer")
+        for name in ("endpoint", "url", "signature"):
+            if not isinstance(raw[name], str):
+                raise AuthDataError(f"auth_data.{name} must be a string")
+        auth = cls(
+            cost=raw["cost"],
+            endpoint=raw["endpoint"],
+            reqnum=raw["reqnum"],
+            request_idx=raw["request_idx"],
+            url=raw["url"],
+            signature=raw["signature"],
+        )
+        auth.workload  # noqa: B018 - validates cost now, not when it is first counted
+        return auth
+
+    @classmethod
+    def from_query(cls, params: Mapping[str, str]) -> AuthData:
+        missing = [name for name in QUERY_FIELDS if name not in params]
+        if missing:
+            raise AuthDataError(f"query lacks {', '.join(missing)}")
+        cost_text = params[QUERY_PREFIX + "cost"]
+        try:
+            # The autoscaler's client writes a float cost with a point and an integer without.
+            cost: Any = float(cost_text) if "." in cost_text else int(cost_text)
+            reqnum = int(params[QUERY_PREFIX + "reqnum"])
+            request_idx = int(params[QUERY_PREFIX + "request_idx"])
+        except ValueError as exc:
+            raise AuthDataError(f"serverless_* query parameter is not a number: {exc}") from None
+        auth = cls(
+            cost=cost,
+            endpoint=params[QUERY_PREFIX + "endpoint"],
+            reqnum=reqnum,
+            request_idx=request_idx,
+            url=params[QUERY_PREFIX + "url"],
+            signature=params[QUERY_PREFIX + "signature"],
+        )
+        auth.workload  # noqa: B018
+        return auth
+
+
+def load_public_key(pem: bytes | str) -> rsa.RSAPublicKey:
+    """The autoscaler's key from the PEM its /pubkey/ serves; ValueError if it is not RSA."""
+    data = pem.encode() if isinstance(pem, str) else pem
+    key = serialization.load_pem_public_key(data.strip())
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise ValueError(f"the signing key is {type(key).__name__}, not an RSA public key")
+    return key
+
+
+def signature_valid(key: rsa.RSAPublicKey, auth: AuthData) -> bool:
+    try:
+        signature = base64.b64decode(auth.signature, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    try:
+        key.verify(signature, auth.message(), padding.PKCS1v15(), hashes.SHA256())
+    except InvalidSignature:
+        return False
+    return True
+
+
+def sign(private_key: rsa.RSAPrivateKey, fields: Mapping[str, Any]) -> str:
+    """What the autoscaler does: the base64 signature of ``fields``' signed part (local tools
+    and tests use it to play the autoscaler)."""
+    auth = AuthData(**{name: fields[name] for name in SIGNED_FIELDS}, signature="")
+    raw = private_key.sign(auth.message(), padding.PKCS1v15(), hashes.SHA256())
+    return base64.b64encode(raw).decode()
+
+
+class ReplayGuard:
+    """Remembers the newest ``capacity`` request numbers seen; memory stays bounded.
+
+    A number seen before is a replay. A number at or below the oldest one forgotten cannot be
+    told apart from a replay any more, so it is refused too: the autoscaler numbers requests
+    in increasing order, and a request ``capacity`` numbers behind the newest is stale anyway.
+    """
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._seen: set[int] = set()
+        self._heap: list[int] = []
+        #: Numbers at or below this were forgotten.
+        self.floor: int | None = None
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def check(self, reqnum: int) -> str | None:
+        """Why ``reqnum`` must be refused, or None when it is new."""
+        if reqnum in self._seen:
+            return f"reqnum {reqnum} was already served (a replayed request)"
+        if self.floor is not None and reqnum <= self.floor:
+            return (
+                f"reqnum {reqnum} is older than the {self.capacity} newest requests this "
+                "worker remembers (a stale or replayed request)"
+            )
+        return None
+
+    def add(self, reqnum: int) -> None:
+        """Remember a request whose signature was valid (never an unchecked one: a forged
+        number must not push genuine ones out)."""
+        if reqnum in self._seen:
+            return
+        self._seen.add(reqnum)
+        heapq.heappush(self._heap, reqnum)
+        while len(self._heap) > self.capacity:
+            oldest = heapq.heappop(self._heap)
+            self._seen.discard(oldest)
+            self.floor = oldest if self.floor is None else max(self.floor, oldest)
