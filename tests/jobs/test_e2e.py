@@ -255,3 +255,30 @@ async def test_the_page_and_api_are_served_and_guarded_by_the_admin_token(
         assert deleted.json() == {"id": first, "deleted": True}
         listed = (await client.get("/council/api/conversations")).json()
         assert [c["id"] for c in listed] == [other]
+
+
+async def test_members_call_tools_through_the_proxy_within_their_budget(tmp_path: Path) -> None:
+    # Every reply that may call a tool does: each member uses its whole budget of two rounds,
+    # then is asked once more without tools.
+    sim = sim_config(tool_call_probability=1.0, tool_call_after_result_probability=1.0)
+    db = tmp_path / "c.db"
+    async with (
+        council_proxy(db, sim=sim, council_tools=True, council_tool_rounds=2) as (proxy, _),
+        httpx.AsyncClient(base_url=proxy.url) as client,
+    ):
+        conversation = await new_conversation(client)
+        events = await ask_streaming(client, conversation, "Look it up")
+    assert events[-1]["type"] == "complete"
+    tools = [e for e in events if e["type"] == "stage1_tool"]
+    assert sorted((e["model"], e["round"]) for e in tools) == sorted(
+        (m, r) for m in MODELS for r in (1, 2)
+    )
+    assert {e["name"] for e in tools} == {"fetch_url"}
+    job = events[0]["job_id"]
+    for model in MODELS:
+        calls = query(
+            db, "SELECT count(*) AS n FROM steps WHERE program_id = ?", f"council:{job}:{model}"
+        )
+        # Three stage-1 calls (two with tools, one forced answer) and one ranking; the
+        # chairman's and title model's calls are on the first member's program.
+        assert calls[0]["n"] == (6 if model == MODELS[0] else 4)
