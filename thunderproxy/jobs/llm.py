@@ -125,7 +125,7 @@ class StreamAssembler:
         return Finished(self.finish_reason, calls, self.prompt_tokens, self.completion_tokens)
 
 
-def _error_message(raw: bytes) -> str:
+def error_message(raw: bytes) -> str:
     try:
         body = json.loads(raw)
     except ValueError:
@@ -177,7 +177,7 @@ class HttpChatClient:
                     raw = await response.aread()
                     raise MemberFailed(
                         f"Model {model!r} answered HTTP {response.status_code} at {url}: "
-                        f"{_error_message(raw)}"
+                        f"{error_message(raw)}"
                     )
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
@@ -193,7 +193,7 @@ class HttpChatClient:
                         ) from None
                     if isinstance(chunk, dict) and "error" in chunk:
                         raise MemberFailed(
-                            f"Model {model!r} failed mid-answer: {_error_message(data.encode())}"
+                            f"Model {model!r} failed mid-answer: {error_message(data.encode())}"
                         )
                     for event in assembler.feed(chunk):
                         yield event
