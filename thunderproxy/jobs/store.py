@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..audit.writer import open_database
+from ..audit import migrations
 from ..clock import WallClock
+from ..errors import AuditError
 
 T = TypeVar("T")
 
@@ -48,6 +49,26 @@ class _Batch:
     error: BaseException | None = None
 
 
+def connect(path: str) -> sqlite3.Connection:
+    """A second connection to the (audit) db, migrated, in WAL mode.
+
+    Only through SQLite: the file must never be opened and closed outside it while the audit
+    writer holds it, because closing any descriptor of a file drops every POSIX lock this
+    process holds on it, and another process could then checkpoint the WAL under the writer.
+    """
+    try:
+        conn = sqlite3.connect(path, check_same_thread=False)
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        migrations.apply(conn)
+    except sqlite3.Error as exc:
+        raise AuditError(
+            f"Cannot open the council's tables in {path!r}: {exc}; pass --db with a writable path."
+        ) from exc
+    return conn
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
@@ -69,7 +90,7 @@ class JobStore:
 
     @classmethod
     async def open(cls, path: str, clock: WallClock | None = None) -> JobStore:
-        conn = await trio.to_thread.run_sync(open_database, path)
+        conn = await trio.to_thread.run_sync(connect, path)
         return cls(conn, clock or WallClock())
 
     async def aclose(self) -> None:
