@@ -217,3 +217,20 @@ async def test_a_call_cut_before_its_end_is_the_client_or_the_proxy(
     assert step.status == status
     assert r.backend.responses[0].closed
     assert r.gateway.scheduler.registry.get("p").in_flight == 0
+
+
+async def test_a_client_that_leaves_on_the_end_event_was_served(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The backend sends [DONE] but keeps the connection open a while: the OpenAI SDK stops
+    # reading at [DONE] and closes, which must not turn a complete answer into a 499.
+    r = rig(ScriptedBackend(chunks=[*EVENTS, 5.0]))
+    exchange = await r.gateway.open(call())
+    stream = exchange.stream()
+    async for chunk in stream:
+        if b"[DONE]" in chunk:
+            break
+    await stream.aclose()
+    await exchange.aclose()
+    (step,) = r.records(StepRecord)
+    assert (step.status, step.completion_tokens) == (200, 2)

@@ -57,6 +57,8 @@ class Tap(Protocol):
 
     usage: StepUsage | None
     error: str | None
+    #: The protocol's end-of-stream event has passed.
+    complete: bool
 
     def feed(self, chunk: bytes) -> bytes: ...
 
@@ -162,6 +164,11 @@ class Exchange:
                 if self.first_token_at is None:
                     self.first_token_at = trio.current_time()
                 out = tap.feed(chunk)
+                if tap.complete and not self.done:
+                    # The answer is whole: a client that hangs up on the end event before the
+                    # connection closes has still been served all of it.
+                    self._take_usage(tap)
+                    self.finish(self.status_code, error=tap.error)
                 if out:
                     yield out
         finally:

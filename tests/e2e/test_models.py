@@ -4,7 +4,6 @@ backend that does not serve its model."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,6 +13,7 @@ import httpx
 import trio
 
 from tests.conftest import query, running_proxy
+from tests.e2e.agents import agent
 from thunderproxy.runtime import RunningProxy
 from thunderproxy.sim import SimConfig, open_simulator
 
@@ -99,31 +99,17 @@ async def test_an_unknown_model_gets_vllms_404_and_leaves_no_program(tmp_path: P
     assert rejected == [{"status": 404, "error_type": "NotFoundError", "program_id": "lost"}]
 
 
-async def agent(client: httpx.AsyncClient, model: str, program_id: str, steps: int) -> None:
-    messages = [
-        {"role": "system", "content": "You fix bugs. " * 80},
-        {"role": "user", "content": f"task {program_id}: " + "make the test pass " * 200},
-    ]
-    for step in range(steps):
-        body = {
-            "model": model,
-            "messages": messages,
-            "program_id": program_id,
-            "max_tokens": 64,
-            "stream": True,
-        }
-        reply = []
-        headers = {"X-Sim-Output-Tokens": "32"}
-        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    for choice in json.loads(line[6:])["choices"]:
-                        reply.append(choice["delta"].get("content") or "")
-        messages.append({"role": "assistant", "content": "".join(reply)})
-        messages.append({"role": "user", "content": f"observation {step}: " + "ok " * 300})
-        await trio.sleep(0.05)  # the tool runs
-    await client.post("/programs/release", json={"program_id": program_id})
+async def coding_agent(client: httpx.AsyncClient, model: str, program_id: str, steps: int) -> None:
+    await agent(
+        client,
+        program_id,
+        model=model,
+        system="You fix bugs. " * 80,
+        task="make the test pass " * 200,
+        observation="ok " * 300,
+        steps=steps,
+        tool_s=0.05,
+    )
 
 
 async def test_tr_never_moves_a_program_to_a_backend_without_its_model(tmp_path: Path) -> None:
@@ -148,8 +134,8 @@ async def test_tr_never_moves_a_program_to_a_backend_without_its_model(tmp_path:
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 for i in range(6):
-                    nursery.start_soon(agent, client, CODER, f"coder-{i}", 3)
-                nursery.start_soon(agent, client, HELPER, "helper-0", 3)
+                    nursery.start_soon(coding_agent, client, CODER, f"coder-{i}", 3)
+                nursery.start_soon(coding_agent, client, HELPER, "helper-0", 3)
     steps = query(db, "select program_id, backend, status from steps")
     assert {s["status"] for s in steps} == {200}
     assert {s["backend"] for s in steps if s["program_id"].startswith("coder")} == {coder_url}

@@ -3,7 +3,6 @@ resumed, running programs keep their prefix cache, and no wait exceeds the bound
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import httpx
 import trio
 
 from tests.conftest import query, running_proxy
+from tests.e2e.agents import agent
 from thunderproxy.sim import SimConfig, open_simulator
 
 SYSTEM = " ".join(f"rule{i} keep the repository tidy and answer briefly." for i in range(60))
@@ -18,31 +18,17 @@ MAX_WAIT = 3.0
 AGENTS, STEPS = 8, 4
 
 
-async def agent(client: httpx.AsyncClient, program_id: str) -> None:
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"task {program_id}: " + "fix the failing test " * 120},
-    ]
-    for step in range(STEPS):
-        body = {
-            "model": "meta-llama/Llama-3.1-8B-Instruct",
-            "messages": messages,
-            "program_id": program_id,
-            "max_tokens": 64,
-            "stream": True,
-        }
-        headers = {"X-Sim-Output-Tokens": "32"}
-        reply = []
-        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    for choice in json.loads(line[6:])["choices"]:
-                        reply.append(choice["delta"].get("content") or "")
-        messages.append({"role": "assistant", "content": "".join(reply)})
-        messages.append({"role": "user", "content": f"observation {step}: " + "ok line " * 150})
-        await trio.sleep(0.1)  # the tool runs
-    await client.post("/programs/release", json={"program_id": program_id})
+async def coding_agent(client: httpx.AsyncClient, program_id: str) -> None:
+    await agent(
+        client,
+        program_id,
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        system=SYSTEM,
+        task="fix the failing test " * 120,
+        observation="ok line " * 150,
+        steps=STEPS,
+        tool_s=0.1,
+    )
 
 
 async def replay(db: Path, router: str) -> list[dict[str, Any]]:
@@ -71,7 +57,7 @@ async def replay(db: Path, router: str) -> list[dict[str, Any]]:
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 for i in range(AGENTS):
-                    nursery.start_soon(agent, client, f"agent-{i}")
+                    nursery.start_soon(coding_agent, client, f"agent-{i}")
     return query(
         db, "select program_id, step, status, queue_s, prompt_tokens, cached_tokens from steps"
     )

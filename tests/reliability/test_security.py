@@ -57,3 +57,32 @@ async def test_admin_token_guards_release_and_secrets_never_land_anywhere(
         assert secret.encode() not in stored
         assert secret not in caplog.text
     assert (db.stat().st_mode & 0o777) == 0o600
+
+
+async def test_credentials_in_a_backend_url_reach_that_backend_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    db = tmp_path / "audit.db"
+    password = "backend-password-that-must-never-be-shown"
+    async with open_simulator(SimConfig(output_len_dist="fixed:4")) as sim:
+        host = sim.url.removeprefix("http://")
+        backend = f"http://operator:{password}@{host}"
+        async with (
+            running_proxy(db, backends=backend) as proxy,
+            httpx.AsyncClient(base_url=proxy.url) as client,
+        ):
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            for path in ("/health", "/metrics", "/programs", "/v1/models"):
+                text = (await client.get(path)).text
+                assert password not in text
+                assert "operator" not in text
+            assert sim.url in (await client.get("/health")).text
+    stored = b"".join(
+        f.read_bytes()
+        for f in tmp_path.iterdir()  # noqa: ASYNC240
+        if f.name.startswith("audit.db")
+    )
+    assert password.encode() not in stored
+    assert b"operator" not in stored
+    assert password not in caplog.text

@@ -7,7 +7,8 @@ end, backend error, client gone, proxy stopping) it is closed and recorded exact
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import aclosing
 from typing import Any
 
 import trio
@@ -15,9 +16,10 @@ from quart import Response, request
 from werkzeug.datastructures import Headers
 
 from ..backends import UpstreamRequest, UpstreamResponse
-from ..errors import BackendError, InvalidRequest
+from ..errors import BackendError, BackendProtocolError, InvalidRequest
 from ..gateway import Call, Gateway
 from .sse import OPENAI
+from .streaming import is_streaming
 
 DEFAULT_PROGRAM = "default"
 MAX_PROGRAM_ID_CHARS = 256
@@ -225,14 +227,36 @@ class Proxy:
             raise
         node.health.answered(response.status_code)
         on_request_end(response.aclose)
-        return Response(
-            relay(response, self.read_timeout),
-            status=response.status_code,
-            headers=response_headers(response.headers),
-        )
+        headers = response_headers(response.headers)
+        if is_streaming(response.headers):
+            # A client may be reading it as it is produced: never buffered.
+            body: bytes | AsyncIterator[bytes] = relay(response, self.read_timeout)
+        else:
+            # A plain answer goes out whole, with its length, as the backend sent it.
+            body = await read_bounded(response, self.read_timeout)
+        return Response(body, status=response.status_code, headers=headers)
 
 
-async def relay(response: UpstreamResponse, read_timeout: float) -> AsyncIterator[bytes]:
+#: Largest plain (non-streamed) passthrough answer read whole; past it the rest is not read.
+MAX_PLAIN_BODY = 64 * 1024 * 1024
+
+
+async def read_bounded(response: UpstreamResponse, read_timeout: float) -> bytes:
+    """A plain passthrough body, read whole (at most MAX_PLAIN_BODY bytes)."""
+    body = bytearray()
+    async with aclosing(relay(response, read_timeout)) as chunks:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) > MAX_PLAIN_BODY:
+                raise BackendProtocolError(
+                    f"Backend answered {response.status_code} with a body over {MAX_PLAIN_BODY} "
+                    "bytes that is not a stream; thunderproxy does not buffer that much."
+                )
+    await response.aclose()
+    return bytes(body)
+
+
+async def relay(response: UpstreamResponse, read_timeout: float) -> AsyncGenerator[bytes, None]:
     """A passthrough body, chunk by chunk; a backend gone silent past ``read_timeout`` ends it."""
     chunks = response.aiter_raw()
     while True:

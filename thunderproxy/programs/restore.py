@@ -7,24 +7,10 @@ and with its idle time carried over so the idle lease keeps counting.
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 
+from ..audit.history import LiveProgram, live_programs
 from .state import Program, ProgramStatus
-
-LATEST_STATE = """
-SELECT t.program_id, t.to_status, t.backend, t.at,
-       (SELECT MAX(step) FROM steps s WHERE s.program_id = t.program_id) AS steps,
-       (SELECT MIN(at) FROM transitions f WHERE f.program_id = t.program_id) AS created_at,
-       (SELECT COALESCE(s.prompt_tokens, 0) + COALESCE(s.completion_tokens, 0)
-          FROM steps s
-         WHERE s.program_id = t.program_id AND s.prompt_tokens IS NOT NULL
-         ORDER BY s.id DESC LIMIT 1) AS tokens
-  FROM transitions t
-  JOIN (SELECT program_id, MAX(id) AS id FROM transitions GROUP BY program_id) last
-    ON last.id = t.id
- WHERE t.to_status != 'stopped'
-"""
 
 
 @dataclass(frozen=True)
@@ -35,35 +21,30 @@ class RestoredProgram:
     backend: str | None
     step_count: int
     tokens: int
+    model: str | None
     last_at_unix: float
     created_at_unix: float
 
 
 def load(path: str) -> list[RestoredProgram]:
-    """Programs still live at the end of the db's history (reads only)."""
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        rows = conn.execute(LATEST_STATE).fetchall()
-    finally:
-        conn.close()
-    restored = []
-    for program_id, status, backend, at, steps, created_at, tokens in rows:
-        previous = ProgramStatus(status)
-        restored.append(
-            RestoredProgram(
-                program_id=program_id,
-                status=ProgramStatus.PAUSED
-                if previous is ProgramStatus.PAUSED
-                else ProgramStatus.ACTING,
-                previous_status=previous,
-                backend=backend,
-                step_count=steps or 0,
-                tokens=tokens or 0,
-                last_at_unix=at,
-                created_at_unix=created_at,
-            )
-        )
-    return restored
+    """Programs still live at the end of the db's history: ACTING (a call in flight died with
+    the old process) or PAUSED."""
+    return [restored(row) for row in live_programs(path)]
+
+
+def restored(row: LiveProgram) -> RestoredProgram:
+    previous = ProgramStatus(row.status)
+    return RestoredProgram(
+        program_id=row.program_id,
+        status=ProgramStatus.PAUSED if previous is ProgramStatus.PAUSED else ProgramStatus.ACTING,
+        previous_status=previous,
+        backend=row.backend,
+        step_count=row.step_count,
+        tokens=row.tokens,
+        model=row.model,
+        last_at_unix=row.last_at_unix,
+        created_at_unix=row.created_at_unix,
+    )
 
 
 def rebuild(item: RestoredProgram, *, now: float, wall_now: float) -> Program:
@@ -74,6 +55,7 @@ def rebuild(item: RestoredProgram, *, now: float, wall_now: float) -> Program:
         created_at=now - max(0.0, wall_now - item.created_at_unix),
         status=item.status,
         backend=item.backend,
+        model=item.model,
         step_count=item.step_count,
         total_tokens=item.tokens,
         last_activity=last,

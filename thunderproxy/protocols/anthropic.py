@@ -151,6 +151,9 @@ class MessagesTap(SseTap):
 
     def _on_event(self, event: SseEvent) -> bool:
         data = event.data
+        if event.name == "message_stop" or b'"message_stop"' in data:
+            self.complete = True
+            return False
         if (
             self.content_started
             and not self.collect_answer

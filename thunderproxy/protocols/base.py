@@ -268,6 +268,9 @@ class SseTap:
         self.max_event_bytes = max_event_bytes
         self.error: str | None = None
         self.content_started = False
+        #: The protocol's own end of stream has passed (``[DONE]``, ``message_stop``, the final
+        #: response event): the call is complete even if the connection is not closed yet.
+        self.complete = False
         #: Responses only: the id a later ``previous_response_id`` names.
         self.response_id: str | None = None
         self.usage: Usage | None = None

@@ -146,6 +146,9 @@ class ChatTap(SseTap):
 
     def _on_event(self, event: SseEvent) -> bool:
         data = event.data
+        if data == b"[DONE]":
+            self.complete = True
+            return False
         # Most chunks after the first token matter only for answer collection: skip their JSON.
         if (
             self.content_started

@@ -131,6 +131,8 @@ class ResponsesTap(SseTap):
             self.response_id = response_id_from_body(response) or self.response_id
             if kind in _FINAL_EVENTS and isinstance(response, dict):
                 self._final(kind, response)
+            if kind in _FINAL_EVENTS:
+                self.complete = True
         return False
 
     def _final(self, kind: str, response: dict[str, Any]) -> None:

@@ -18,10 +18,9 @@ import trio
 
 from ..audit import AuditLog, DecisionRecord
 from ..backends import BackendNode, BackendPool, Route
-from ..errors import NoBackendAvailable, ProgramReleased, QueueFull
+from ..errors import ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
 from .learners import PromptSizer, program_estimate
-from .placement import Candidate, choose_backend
 from .policies import Policy, Views
 from .policy import Action, Decision, PolicyConfig, ProgramView
 from .views import BackendSchedule, ViewSource
@@ -82,25 +81,7 @@ class Scheduler:
     # -- placement ------------------------------------------------------------------------------
 
     def _choose(self, program_id: str, current: str | None, route: Route) -> BackendNode:
-        loads = self.registry.load_by_backend()
-        candidates = [
-            Candidate(
-                url=n.url,
-                healthy=n.healthy,
-                active_tokens=loads[n.url].active_tokens if n.url in loads else 0,
-                programs=loads[n.url].total if n.url in loads else 0,
-            )
-            for n in route.nodes
-        ]
-        node = self.pool.get(choose_backend(current, candidates))
-        if node is None:
-            group = "" if route.requested is None else f" serving {route.requested!r}"
-            raise NoBackendAvailable(
-                f"No healthy backend{group} for program {program_id!r}: all of "
-                f"{', '.join(n.url for n in route.nodes) or 'none'} failed their last health "
-                "check; check that they are running."
-            )
-        return node
+        return self.source.choose(program_id, current, route)
 
     def place(self, program: Program, route: Route) -> BackendNode:
         """The program's backend: sticky while healthy, else the least loaded of its group."""

@@ -1,14 +1,15 @@
 """What the policy sees: frozen views of the programs and backends, built from the registry,
-the pool and what the scheduler learned about each backend."""
+the pool and what the scheduler learned about each backend; and placement within a group."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..backends import BackendPool
-from ..errors import ModelNotFound
+from ..backends import BackendNode, BackendPool, Route
+from ..errors import ModelNotFound, NoBackendAvailable
 from ..programs import Program, ProgramRegistry
 from .learners import CapacityFactor, SharedPrefix
+from .placement import Candidate, choose_backend
 from .policies import Views
 from .policy import BackendView, PolicyConfig, ProgramView, decay
 
@@ -111,3 +112,26 @@ class ViewSource:
             return [self.program_view(p) for p in self.registry.idle_since(now - seconds)]
 
         return Views(programs, self.backend_views, idle)
+
+    def choose(self, program_id: str, current: str | None, route: Route) -> BackendNode:
+        """The backend of ``route`` a program goes to: sticky while healthy, else the least
+        loaded (placement.py); raises NoBackendAvailable when none of the group is healthy."""
+        loads = self.registry.load_by_backend()
+        candidates = [
+            Candidate(
+                url=n.url,
+                healthy=n.healthy,
+                active_tokens=loads[n.url].active_tokens if n.url in loads else 0,
+                programs=loads[n.url].total if n.url in loads else 0,
+            )
+            for n in route.nodes
+        ]
+        node = self.pool.get(choose_backend(current, candidates))
+        if node is None:
+            group = "" if route.requested is None else f" serving {route.requested!r}"
+            raise NoBackendAvailable(
+                f"No healthy backend{group} for program {program_id!r}: all of "
+                f"{', '.join(n.url for n in route.nodes) or 'none'} failed their last health "
+                "check; check that they are running."
+            )
+        return node

@@ -5,14 +5,12 @@ from .middleware import WorkerMiddleware
 from .service import serve_worker
 from .signals import ProgramSignals, signals_from_services
 from .state import WorkerConfig, WorkerState, worker_config
-from .streaming import is_streaming
 
 __all__ = [
     "ProgramSignals",
     "WorkerConfig",
     "WorkerMiddleware",
     "WorkerState",
-    "is_streaming",
     "serve_worker",
     "signals_from_services",
     "worker_config",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from thunderproxy.worker import is_streaming
+from thunderproxy.http.streaming import is_streaming
 
 
 @pytest.mark.parametrize(
