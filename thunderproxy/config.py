@@ -188,6 +188,71 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
+class CouncilSettings:
+    """The LLM council at /council/ (docs/COUNCIL.md); every one is a ``serve`` setting."""
+
+    models: str = setting(
+        "",
+        "Comma-separated model names that sit on the council at /council/ (empty: no council "
+        "jobs can run).",
+        flag="--council-models",
+    )
+    chairman: str = setting(
+        "",
+        "Model that synthesises the council's answer (empty: the first member).",
+        flag="--council-chairman",
+    )
+    title_model: str = setting(
+        "",
+        "Model that titles a new conversation (empty: the chairman).",
+        flag="--council-title-model",
+    )
+    member_timeout: float = setting(
+        300.0 * SECONDS,
+        "Seconds one council member may take for one stage before it is left out.",
+        flag="--council-member-timeout",
+        check=_positive,
+    )
+    max_tokens: int = setting(
+        0,
+        "Most tokens a council member may write per answer (0: the backend's default).",
+        flag="--council-max-tokens",
+    )
+    tools: bool = setting(
+        False,
+        "Offer council members the fetch_url (and, with --council-search-url, web_search) "
+        "tools in stage 1; the backends must accept OpenAI tool calls.",
+        flag="--council-tools",
+    )
+    tool_rounds: int = setting(
+        5,
+        "Rounds of tool calls a member may make before it must answer.",
+        flag="--council-tool-rounds",
+    )
+    tools_allow_private: bool = setting(
+        False,
+        "Let fetch_url read private, loopback and link-local addresses (off: refused).",
+        flag="--council-tools-allow-private",
+    )
+    search_url: str = setting(
+        "",
+        "Search endpoint for web_search, called as GET URL?q=... and answering JSON "
+        "(SearXNG's format=json, Brave's web search, or {results: [{title, url, snippet}]}); "
+        "empty: no web_search.",
+        flag="--council-search-url",
+    )
+    search_key: str = setting(
+        "", "API key sent to the search endpoint.", secret=True, flag="--council-search-key"
+    )
+    keepalive: float = setting(
+        15.0 * SECONDS,
+        "Seconds between keepalive comments on a quiet council event stream.",
+        flag="--council-keepalive",
+        check=_positive,
+    )
+
+
+@dataclass(frozen=True)
 class Settings:
     """Validated configuration of one proxy run. Build with :func:`load_settings`."""
 
@@ -280,6 +345,7 @@ class Settings:
         "Require --admin-token for /programs, /profiles, /metrics and /health's detail "
         "(/health's status stays open for load balancers).",
     )
+    council: CouncilSettings = _group(CouncilSettings)
     report_addr: str = setting(
         "",
         "Worker mode (Vast.ai serverless): comma-separated autoscaler addresses to report load "

@@ -41,6 +41,8 @@ from .gateway import Gateway
 from .http.app import Services, create_app
 from .http.drain import drain_then_stop
 from .http.readiness import Readiness
+from .jobs import open_council, serve_council
+from .jobs.gateway_client import GatewayChatClient
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
 from .scheduling import Scheduler, policy_named
@@ -288,9 +290,11 @@ async def run(
             )
             if handle_signals:
                 nursery.start_soon(_stop_on_signals, shutdown, force, background)
+            council = await open_council(settings)
 
             async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 app = create_app(services)
+                app.register_blueprint(council.blueprint)
                 config = hypercorn_config(settings, listener)
 
                 async def stopping() -> None:
@@ -352,6 +356,19 @@ async def run(
             if background.cancelled:
                 return
             readiness.set_ready()
+            # Council jobs call the proxy's own URL: they start (or resume) once it serves.
+            await nursery.start(
+                _in_scope,
+                background,
+                partial(
+                    serve_council,
+                    council,
+                    settings,
+                    binds[0],
+                    shutdown=shutdown,
+                    client=GatewayChatClient(gateway),
+                ),
+            )
             log.info(
                 "thunderproxy %s listening on %s (router=%s, backends=%s, db=%s)",
                 __version__,

@@ -324,6 +324,10 @@ def _overhead(targets: str, sweep: str, seconds: float, json_path: str | None) -
     show_default=True,
     help="Keep serving after the replay, so the results can be explored.",
 )
+@click.option("--council", is_flag=True,
+              help="Run an LLM council instead: three simulated models answer, rank each "
+              "other and a chairman synthesises; prints each stage.")  # fmt: skip
+@click.option("--question", default=None, help="--council: the question to ask.")
 def demo_command(
     programs: int,
     max_steps: int,
@@ -333,6 +337,8 @@ def demo_command(
     port: int,
     db: str,
     wait: bool,
+    council: bool,
+    question: str | None,
 ) -> None:
     """A short replay through tr against an embedded simulated vLLM, then a look at it.
 
@@ -340,6 +346,9 @@ def demo_command(
     ThunderAgent SWE-agent programs through it on a KV cache about 2x too small, prints the
     figures and the Datasette address of the audit db, and keeps serving until Ctrl-C.
     """
+    if council:
+        _council_demo(question, time_scale, host, port, db, wait)
+        return
     from .demo import DemoConfig, run_demo
 
     config = DemoConfig(
@@ -355,6 +364,23 @@ def demo_command(
     try:
         with ungrouped_errors():
             trio.run(lambda: run_demo(config, echo=click.echo))
+    except ThunderproxyError as exc:
+        raise click.ClickException(exc.message) from None
+    except KeyboardInterrupt:
+        pass
+
+
+def _council_demo(
+    question: str | None, time_scale: float, host: str, port: int, db: str, wait: bool
+) -> None:
+    from ..jobs.demo import CouncilDemoConfig, run_council_demo
+
+    config = CouncilDemoConfig(host=host, port=port, db=db, time_scale=time_scale, wait=wait)
+    if question:
+        config = CouncilDemoConfig(**{**config.__dict__, "question": question})
+    try:
+        with ungrouped_errors():
+            trio.run(lambda: run_council_demo(config, echo=click.echo))
     except ThunderproxyError as exc:
         raise click.ClickException(exc.message) from None
     except KeyboardInterrupt:

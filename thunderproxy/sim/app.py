@@ -21,6 +21,7 @@ from .anthropic import anthropic_routes
 from .chat_tools import serve_chat_with_tools
 from .config import SimConfig
 from .control import dev_mode_routes, sim_routes
+from .council import council_script
 from .engine import Engine, EngineDeadError, QueueFullError, RequestHandle
 from .protocol import APIError, GenerateRequest, error_body, parse_generate, validation_error
 from .responses import ResponseBuilder, dumps, models_body
@@ -286,7 +287,9 @@ class SimApp:
             else:
                 await self._complete(request, parsed, handle, builder, fault, extra)
 
-        await self.execute(request, parsed, respond)
+        # The council's ranking, chairman and title prompts get answers in their shape.
+        script = council_script(body, self.config.seed, self.engine.tokenizer) if chat else None
+        await self.execute(request, parsed, respond, script=script)
 
     def id_headers(self, request: Request) -> list[tuple[bytes, bytes]]:
         """`X-Request-Id` echoed back when the server is told to (vLLM's flag)."""

@@ -97,6 +97,12 @@ class SimConfig:
         "Model name served and used in metric labels.",
         group="identity",
     )
+    extra_served_model_names: str = _knob(
+        "",
+        "Comma list of more model names the same engine answers to (vLLM's --served-model-name "
+        "takes several); /v1/models lists them all.",
+        group="identity",
+    )
     compat: str = _knob(
         "current",
         "vLLM version family to imitate: current (0.12+), 0.8, 0.9, 0.10, 0.11.",
@@ -279,6 +285,11 @@ class SimConfig:
             tokens = PROFILES[self.profile].kv_capacity_tokens
         # Like vLLM, capacity is num_gpu_blocks * block_size, the null block included.
         return tokens // self.resolved_block_size()
+
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name a request may ask for: ``served_model_name`` first, then the extra ones."""
+        extra = (n.strip() for n in self.extra_served_model_names.split(","))
+        return (self.served_model_name, *(n for n in extra if n and n != self.served_model_name))
 
     def fault_types(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.fail_types.split(",") if t.strip())

@@ -119,10 +119,11 @@ def parse_generate(
     if not isinstance(body, dict):
         raise validation_error("dict_type", "body", "Input should be a valid dictionary", body)
     model = _field(body, "model", "str")
-    if model is not None and model != config.served_model_name:
+    if model is not None and model not in config.served_model_names():
         raise APIError(
             404,
-            f"The model `{model}` does not exist. Valid aliases: {config.served_model_name}.",
+            f"The model `{model}` does not exist. "
+            f"Valid aliases: {', '.join(config.served_model_names())}.",
             "NotFoundError",
             "model",
         )

@@ -208,4 +208,6 @@ def models_body(config: SimConfig, created: int, root: str) -> dict[str, Any]:
                 "is_blocking": False,
             }
         ]
-    return {"object": "list", "data": [card]}
+    # Extra served names are aliases of the same engine: the same card under each name.
+    cards = [card] + [{**card, "id": name} for name in config.served_model_names()[1:]]
+    return {"object": "list", "data": cards}

@@ -1,0 +1,148 @@
+"""The runner over a real SQLite store and a scripted client: multi-turn history, one job per
+conversation, keepalives on a quiet stream, and programs released when a job ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from tests.jobs.fakes import ScriptedClient
+from thunderproxy.jobs.errors import JobRunning
+from thunderproxy.jobs.llm import StreamAssembler, TextDelta, ToolCall
+from thunderproxy.jobs.pipeline import CouncilConfig
+from thunderproxy.jobs.runner import CouncilRunner
+from thunderproxy.jobs.store import JobStore
+
+CONFIG = CouncilConfig(members=("m1", "m2"), chairman="m1", title_model="m2")
+
+
+def answers(model: str, messages: list[dict[str, Any]], tools: Any) -> Any:
+    prompt = messages[-1]["content"]
+    if "FINAL RANKING" in prompt:
+        return "FINAL RANKING: 1. Response B 2. Response A"
+    if prompt.startswith("Write a short title"):
+        return "A title"
+    return f"{model} on {prompt[:20]}"
+
+
+async def start_runner(
+    nursery: trio.Nursery, tmp_path: Path, client: ScriptedClient
+) -> CouncilRunner:
+    store = await JobStore.open(str(tmp_path / "jobs.db"))
+    runner = CouncilRunner(store, CONFIG)
+    await nursery.start(runner.serve, client)
+    return runner
+
+
+async def test_a_second_question_carries_each_members_history(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    client = ScriptedClient(answers)
+    runner = await start_runner(nursery, tmp_path, client)
+    conversation = (await runner.store.create_conversation())["id"]
+    with trio.fail_after(20):
+        first = await runner.start(conversation, "First question")
+        await runner.wait(first)
+        client.calls.clear()
+        second = await runner.start(conversation, "Second question")
+        await runner.wait(second)
+    stage1 = {c["model"]: c["messages"] for c in client.calls if "FINAL" not in str(c)}
+    assert stage1["m2"][:3] == [
+        {"role": "user", "content": "First question"},
+        {"role": "assistant", "content": "m2 on First question "},
+        {"role": "user", "content": "Second question"},
+    ]
+    job = await runner.store.get_job(second)
+    assert job is not None
+    assert job["status"] == "complete"
+    # Only the first question titles the conversation.
+    assert job["title_model"] is None
+    conversation_row = await runner.store.get_conversation(conversation)
+    assert conversation_row is not None
+    assert conversation_row["title"] == "A title"
+    assert sorted(client.released) == sorted(
+        f"council:{job}:{m}" for job in (first, second) for m in ("m1", "m2")
+    )
+
+
+async def test_one_job_per_conversation_even_when_two_start_at_once(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    client = ScriptedClient(lambda m, msgs, t: None)  # members that never answer
+    runner = await start_runner(nursery, tmp_path, client)
+    conversation = (await runner.store.create_conversation())["id"]
+    outcomes: list[str] = []
+
+    async def start() -> None:
+        try:
+            outcomes.append(await runner.start(conversation, "q"))
+        except JobRunning:
+            outcomes.append("409")
+
+    async with trio.open_nursery() as both:
+        both.start_soon(start)
+        both.start_soon(start)
+    assert outcomes.count("409") == 1
+    assert runner.running_job(conversation) == next(o for o in outcomes if o != "409")
+
+
+async def test_a_quiet_stream_gets_keepalives(nursery: trio.Nursery, tmp_path: Path) -> None:
+    client = ScriptedClient(lambda m, msgs, t: None)
+    runner = await start_runner(nursery, tmp_path, client)
+    conversation = (await runner.store.create_conversation())["id"]
+    job = await runner.start(conversation, "q")
+    seen: list[Any] = []
+    stream = runner.follow(job, 0, keepalive_s=0.05)
+    with trio.fail_after(10):
+        async for item in stream:
+            seen.append(item)
+            if item is None:
+                break
+    assert [e.type for e in seen[:-1]] == ["stage1_start"]
+    assert seen[-1] is None
+    await stream.aclose()
+
+
+def test_tool_call_fragments_are_assembled_in_order() -> None:
+    assembler = StreamAssembler()
+    chunks: list[dict[str, Any]] = [
+        {"choices": [{"delta": {"content": "Let me look."}}]},
+        {"choices": [{"delta": {"tool_calls": [
+            {"index": 0, "id": "call_a", "function": {"name": "fetch_url", "arguments": ""}}]}}]},
+        {"choices": [{"delta": {"tool_calls": [
+            {"index": 1, "id": "call_b", "function": {"name": "web_search", "arguments": '{"q'}},
+            {"index": 0, "function": {"arguments": '{"url": "http://x'}}]}}]},
+        {"choices": [{"delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": '"}'}},
+            {"index": 1, "function": {"arguments": 'uery": "y"}'}}]}}]},
+        {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7}},
+    ]  # fmt: skip
+    events = [e for chunk in chunks for e in assembler.feed(chunk)]
+    assert events == [TextDelta("Let me look.")]
+    finished = assembler.finished()
+    assert finished.finish_reason == "tool_calls"
+    assert finished.tool_calls == (
+        ToolCall("call_a", "fetch_url", '{"url": "http://x"}'),
+        ToolCall("call_b", "web_search", '{"query": "y"}'),
+    )
+    assert (finished.prompt_tokens, finished.completion_tokens) == (12, 7)
+
+
+@pytest.mark.parametrize(
+    ("models", "message"),
+    [
+        ("a,b,a", "names a model twice"),
+        (",".join(f"m{i}" for i in range(27)), "at most 26 members"),
+    ],
+)
+def test_a_council_that_cannot_work_is_refused_at_startup(models: str, message: str) -> None:
+    from thunderproxy.config import load_settings
+    from thunderproxy.errors import ConfigError
+    from thunderproxy.jobs import council_config
+
+    with pytest.raises(ConfigError, match=message):
+        council_config(load_settings(council_models=models))

@@ -1,0 +1,220 @@
+"""fetch_url and web_search against local servers on loopback (with private addresses
+allowed, as the proxy's setting can), the address checks, and the tool loop's budget."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qs
+
+import httpx
+import pytest
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from tests.jobs.fakes import ScriptedClient
+from thunderproxy.jobs import tools
+from thunderproxy.jobs.llm import ToolCall
+from thunderproxy.jobs.tools import Toolbox, ToolSettings
+
+PAGE = (
+    b"<html><head><title>The Page</title><style>p{color:red}</style>"
+    b"<script>var secret = 1;</script></head><body><h1>Heading</h1><p>First &amp; "
+    b"foremost.</p><ul><li>one</li><li>two</li></ul></body></html>"
+)
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class LocalSite:
+    """Pages, a redirect, a large body, a search stand-in and a barrier that answers only
+    once two requests wait on it (it proves tool calls run in parallel)."""
+
+    def __init__(self) -> None:
+        self.hits: list[str] = []
+        self.waiting = 0
+        self.both_arrived = trio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        path = scope["path"]
+        self.hits.append(path)
+        query = parse_qs(scope["query_string"].decode())
+        if path == "/page":
+            await self._send(send, 200, PAGE, "text/html; charset=utf-8")
+        elif path == "/moved":
+            await self._send(send, 302, b"", "text/plain", [(b"location", b"/page")])
+        elif path == "/big":
+            await self._send(send, 200, b"x" * 3_000_000, "text/plain")
+        elif path == "/search":
+            q = query.get("q", [""])[0]
+            body = {"results": [{"title": f"About {q}", "url": "http://example.org/a",
+                                 "content": "An   answer."}]}  # fmt: skip
+            await self._send(send, 200, json.dumps(body).encode(), "application/json")
+        elif path.startswith("/barrier"):
+            self.waiting += 1
+            if self.waiting >= 2:
+                self.both_arrived.set()
+            await self.both_arrived.wait()
+            await self._send(send, 200, path.encode(), "text/plain")
+        else:
+            await self._send(send, 404, b"no", "text/plain")
+
+    @staticmethod
+    async def _send(
+        send: Send, status: int, body: bytes, ctype: str, extra: list[Any] | None = None
+    ) -> None:
+        headers = [(b"content-type", ctype.encode()), *(extra or [])]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+async def site(nursery: trio.Nursery) -> tuple[LocalSite, str]:
+    app = LocalSite()
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    urls = await nursery.start(serve, app, config)
+    return app, urls[0]
+
+
+ALLOWED = ToolSettings(allow_private=True, fetch_max_chars=5_000, fetch_max_bytes=10_000)
+
+
+def test_html_becomes_readable_text_without_scripts_or_styles() -> None:
+    text = tools.html_to_text(PAGE.decode())
+    assert text == "The Page\n\nHeading\nFirst & foremost.\none\ntwo"
+
+
+@pytest.mark.parametrize(
+    ("address", "refused"),
+    [
+        ("127.0.0.1", True),
+        ("10.1.2.3", True),
+        ("192.168.0.1", True),
+        ("169.254.169.254", True),
+        ("::1", True),
+        ("fe80::1%eth0", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", True),
+        ("93.184.215.14", False),
+        ("2606:4700::1111", False),
+    ],
+)
+def test_private_and_local_addresses_are_refused(address: str, refused: bool) -> None:
+    assert tools.address_refused(address) is refused
+
+
+async def test_fetch_url_refuses_loopback_unless_allowed(site: tuple[LocalSite, str]) -> None:
+    app, url = site
+    async with httpx.AsyncClient() as client:
+        with pytest.raises(tools.ToolFailed, match="private or local address"):
+            await tools.fetch_url(client, url + "/page", ToolSettings())
+        with pytest.raises(tools.ToolFailed, match="not an http"):
+            await tools.fetch_url(client, "file:///etc/passwd", ToolSettings())
+        assert app.hits == []
+        text = await tools.fetch_url(client, url + "/page", ALLOWED)
+    assert text.startswith("The Page\n\nHeading")
+
+
+async def test_fetch_url_follows_redirects_and_bounds_the_size(
+    site: tuple[LocalSite, str],
+) -> None:
+    app, url = site
+    async with httpx.AsyncClient() as client:
+        assert "Heading" in await tools.fetch_url(client, url + "/moved", ALLOWED)
+        big = await tools.fetch_url(client, url + "/big", ALLOWED)
+        with pytest.raises(tools.ToolFailed, match="HTTP 404"):
+            await tools.fetch_url(client, url + "/missing", ALLOWED)
+    assert app.hits[:2] == ["/moved", "/page"]
+    assert big == "x" * 5_000 + "\n[truncated]"
+
+
+async def test_web_search_uses_the_configured_endpoint_and_is_off_without_one(
+    site: tuple[LocalSite, str],
+) -> None:
+    _app, url = site
+    async with httpx.AsyncClient() as client:
+        box = Toolbox(client, ToolSettings(search_url=url + "/search"))
+        assert [t["function"]["name"] for t in box.definitions()] == ["fetch_url", "web_search"]
+        found = await box.execute(ToolCall("c1", "web_search", '{"query": "trio"}'))
+        assert found == "1. About trio\nhttp://example.org/a\nAn answer."
+        off = Toolbox(client, ToolSettings())
+        assert [t["function"]["name"] for t in off.definitions()] == ["fetch_url"]
+        refused = await off.execute(ToolCall("c2", "web_search", '{"query": "trio"}'))
+        assert refused == "Error: There is no tool named 'web_search'."
+        bad = await off.execute(ToolCall("c3", "fetch_url", "{not json"))
+        assert bad == "Error: fetch_url: arguments are not valid JSON."
+
+
+async def test_the_tool_loop_runs_calls_in_parallel_and_forces_an_answer_after_the_budget(
+    site: tuple[LocalSite, str],
+) -> None:
+    _app, url = site
+
+    def script(model: str, messages: list[dict[str, Any]], offered: Any) -> Any:
+        if offered is None:
+            return "final answer"
+        # Two calls per round that each wait for the other: sequential execution would hang.
+        n = sum(1 for m in messages if m["role"] == "tool")
+        return tuple(
+            ToolCall(f"c{n + i}", "fetch_url", json.dumps({"url": f"{url}/barrier/{n + i}"}))
+            for i in range(2)
+        )
+
+    client = ScriptedClient(script)
+    seen_tools: list[tuple[int, str, str]] = []
+    texts: list[str] = []
+
+    async def on_tool(round_: int, call: ToolCall, result: str) -> None:
+        seen_tools.append((round_, call.id, result))
+
+    async def on_text(text: str) -> None:
+        texts.append(text)
+
+    async with httpx.AsyncClient() as http:
+        box = Toolbox(http, ALLOWED)
+        with trio.fail_after(10):
+            answer = await tools.answer_with_tools(
+                client, model="m", messages=[{"role": "user", "content": "q"}],
+                program_id="p", toolbox=box, on_text=on_text, on_tool=on_tool, max_rounds=1,
+            )  # fmt: skip
+    assert answer == "final answer "
+    assert "".join(texts) == answer
+    assert len(client.calls) == 2
+    assert client.calls[0]["tools"] is not None
+    last = client.calls[1]
+    assert last["tools"] is None
+    assert last["messages"][-1] == {"role": "user", "content": tools.FINAL_ANSWER_NOTE}
+    results = [m for m in last["messages"] if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["content"]) for m in results] == [
+        ("c0", "/barrier/0"),
+        ("c1", "/barrier/1"),
+    ]
+    assert sorted(seen_tools) == [(1, "c0", "/barrier/0"), (1, "c1", "/barrier/1")]
+
+
+async def test_the_tool_loop_stops_at_five_rounds_by_default(autojump_clock: Any) -> None:
+    def script(model: str, messages: list[dict[str, Any]], offered: Any) -> Any:
+        if offered is None:
+            return "done"
+        return (ToolCall("c", "no_such_tool", "{}"),)
+
+    client = ScriptedClient(script)
+
+    async def ignore(*_: Any) -> None:
+        pass
+
+    async with httpx.AsyncClient() as http:
+        answer = await tools.answer_with_tools(
+            client, model="m", messages=[{"role": "user", "content": "q"}], program_id="p",
+            toolbox=Toolbox(http, ToolSettings()), on_text=ignore, on_tool=ignore,
+        )  # fmt: skip
+    assert answer == "done "
+    assert [c["tools"] is not None for c in client.calls] == [True] * 5 + [False]

@@ -1,0 +1,128 @@
+"""Council jobs (seed 004): several models answer, rank each other's anonymized answers and a
+chairman synthesises, every member's calls a scheduled program, every event durable in SQLite.
+
+Layers: ``council.py`` (pure: prompts, labels, ranking parsing, aggregation, histories),
+``tools.py`` (fetch_url, web_search, the tool loop), ``llm.py`` (the ``ChatClient`` protocol,
+``HttpChatClient``), ``pipeline.py`` (the three stages), ``store.py`` (SQLite),
+``runner.py`` (jobs in the runtime nursery, replay, resume), ``routes.py`` (HTTP, the page in
+``static/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+import trio
+from quart import Blueprint
+
+from ..config import Settings
+from ..errors import ConfigError
+from .council import MAX_MEMBERS
+from .llm import ChatClient, ChatEvent, Finished, HttpChatClient, TextDelta, ToolCall
+from .pipeline import CouncilConfig
+from .routes import create_blueprint
+from .runner import CouncilRunner
+from .store import JobStore
+from .tools import Toolbox, ToolSettings
+
+__all__ = [
+    "ChatClient",
+    "ChatEvent",
+    "Council",
+    "CouncilConfig",
+    "CouncilRunner",
+    "Finished",
+    "HttpChatClient",
+    "JobStore",
+    "TextDelta",
+    "ToolCall",
+    "council_config",
+    "loopback_url",
+    "open_council",
+    "serve_council",
+]
+
+
+def council_config(settings: Settings) -> CouncilConfig:
+    """The council named by ``--council-models`` and friends, validated."""
+    members = tuple(m.strip() for m in settings.council.models.split(",") if m.strip())
+    if len(set(members)) != len(members):
+        raise ConfigError(f"--council-models names a model twice: {settings.council.models!r}.")
+    if len(members) > MAX_MEMBERS:
+        raise ConfigError(f"--council-models: at most {MAX_MEMBERS} members, got {len(members)}.")
+    chairman = settings.council.chairman.strip() or (members[0] if members else "")
+    return CouncilConfig(
+        members=members,
+        chairman=chairman,
+        title_model=settings.council.title_model.strip() or chairman,
+        member_timeout_s=settings.council.member_timeout,
+        tool_rounds=settings.council.tool_rounds,
+        max_tokens=settings.council.max_tokens or None,
+    )
+
+
+def loopback_url(bound: str) -> str:
+    """The URL the proxy reaches itself at: a wildcard bind is reached over loopback."""
+    return bound.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+
+
+@dataclass
+class Council:
+    """What the runtime holds: the store, the runner and the blueprint to mount."""
+
+    store: JobStore
+    runner: CouncilRunner
+    blueprint: Blueprint
+
+
+async def open_council(settings: Settings) -> Council:
+    """Open the council's store on the audit db and build its runner and routes."""
+    config = council_config(settings)
+    store = await JobStore.open(settings.db)
+    runner = CouncilRunner(store, config)
+    blueprint = create_blueprint(
+        runner, admin_token=settings.admin_token, keepalive_s=settings.council.keepalive
+    )
+    return Council(store, runner, blueprint)
+
+
+async def serve_council(
+    council: Council,
+    settings: Settings,
+    proxy_url: str,
+    *,
+    shutdown: trio.Event,
+    client: ChatClient | None = None,
+    task_status: trio.TaskStatus[CouncilRunner] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run council jobs until ``shutdown``. Members are called through ``client`` (the runtime
+    passes a ``GatewayChatClient``: the proxy's own gateway, in process), or else an
+    ``HttpChatClient`` on the proxy's own URL; either way every call is a scheduled program."""
+    timeout = httpx.Timeout(settings.first_byte_timeout, connect=settings.connect_timeout)
+    tool_settings = ToolSettings(
+        timeout_s=min(20.0, settings.council.member_timeout or 20.0),
+        allow_private=settings.council.tools_allow_private,
+        search_url=settings.council.search_url,
+        search_key=settings.council.search_key,
+    )
+    try:
+        async with (
+            httpx.AsyncClient(timeout=timeout) as calls,
+            httpx.AsyncClient(
+                timeout=httpx.Timeout(tool_settings.timeout_s),
+                headers={"user-agent": "thunderproxy-council"},
+            ) as fetches,
+        ):
+            if settings.council.tools:
+                council.runner.toolbox = Toolbox(fetches, tool_settings)
+            chat = client or HttpChatClient(
+                loopback_url(proxy_url), calls, admin_token=settings.admin_token
+            )
+            await council.runner.serve(chat, shutdown=shutdown, task_status=task_status)
+        # The clients are closed (their idle connections to this proxy would hold up its
+        # drain), but the routes may still read the store until the HTTP server has drained;
+        # the runtime cancels this task then.
+        await trio.sleep_forever()
+    finally:
+        await council.store.aclose()

@@ -1,0 +1,108 @@
+"""``GatewayChatClient``: the council's ``ChatClient`` over the proxy's own call gateway, in
+process. Each member call is a :class:`~thunderproxy.gateway.Call` like any HTTP client's:
+grouped by model, admitted, leased by the scheduler, sent, relayed and recorded; only the
+loopback HTTP hop is gone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+
+from ..errors import ProgramUnknown, ThunderproxyError
+from ..gateway import Call, Gateway
+from ..http.sse import OPENAI
+from .errors import MemberFailed
+from .llm import ChatEvent, StreamAssembler, error_message
+
+ENDPOINT = "/v1/chat/completions"
+
+
+def _chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(str(m.get("content") or "")) for m in messages)
+
+
+class GatewayChatClient:
+    """``ChatClient`` calling ``gateway`` directly (the proxy's own scheduling and audit)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def stream_chat(
+        self,
+        *,
+        model: str,
+        messages: list[dict[str, Any]],
+        program_id: str,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[ChatEvent]:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if tools:
+            body["tools"] = tools
+        if tool_choice is not None:
+            body["tool_choice"] = tool_choice
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        call = Call(
+            program_id=program_id,
+            endpoint=ENDPOINT,
+            body=body,
+            wire=OPENAI,
+            arrived_at=trio.current_time(),
+            model=model,
+            stream=True,
+            headers=[("content-type", "application/json")],
+            context_chars=_chars(messages),
+        )
+        assembler = StreamAssembler()
+        try:
+            async with self.gateway.call(call) as exchange:
+                if exchange.status_code != 200:
+                    raw = await exchange.read()
+                    raise MemberFailed(
+                        f"Model {model!r} answered HTTP {exchange.status_code}: "
+                        f"{error_message(raw)}"
+                    )
+                pending = b""
+                async for chunk in exchange.stream():
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            continue
+                        try:
+                            payload = json.loads(data)
+                        except ValueError:
+                            raise MemberFailed(
+                                f"Model {model!r} sent an unreadable stream chunk: {data[:120]!r}"
+                            ) from None
+                        if isinstance(payload, dict) and "error" in payload:
+                            raise MemberFailed(
+                                f"Model {model!r} failed mid-answer: {error_message(data)}"
+                            )
+                        for event in assembler.feed(payload):
+                            yield event
+        except ThunderproxyError as exc:
+            if isinstance(exc, MemberFailed):
+                raise
+            raise MemberFailed(f"Model {model!r} could not be called: {exc.message}") from exc
+        yield assembler.finished()
+
+    async def release(self, program_id: str) -> None:
+        try:
+            self.gateway.scheduler.release(program_id)
+        except ProgramUnknown:
+            pass  # retired by its idle lease already, or never called

@@ -1,0 +1,214 @@
+"""How the council talks to models: the ``ChatClient`` protocol and its HTTP implementation.
+
+The council never knows where a model runs. ``HttpChatClient`` speaks OpenAI-compatible
+streaming chat completions to a base URL and puts ``program_id`` in the body, so when that URL
+is a thunderproxy (the proxy's own loopback address, by default) every member call is a
+scheduled program step. An in-process client over the core's call path can implement the same
+two methods.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from .errors import MemberFailed
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of the answer's text, as it streams."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One assembled tool call: its id, function name and JSON arguments (as sent)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of one completion: why it stopped, its tool calls and its usage."""
+
+    finish_reason: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+ChatEvent = TextDelta | Finished
+
+
+class ChatClient(Protocol):
+    """What the council needs from a model: stream one chat completion, release a program."""
+
+    def stream_chat(
+        self,
+        *,
+        model: str,
+        messages: list[dict[str, Any]],
+        program_id: str,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[ChatEvent]: ...
+
+    async def release(self, program_id: str) -> None: ...
+
+
+@asynccontextmanager
+async def closing(events: AsyncIterator[ChatEvent]) -> AsyncIterator[AsyncIterator[ChatEvent]]:
+    """Close a chat stream however its reader stops (a timeout, a cancelled job), so its HTTP
+    response is closed now rather than whenever the garbage collector gets to it."""
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+@dataclass
+class _ToolCallParts:
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+class StreamAssembler:
+    """Turns OpenAI chat-completion chunks into ``ChatEvent``s; tool-call deltas arrive in
+    fragments keyed by index and are assembled until the stream ends. Pure."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, _ToolCallParts] = {}
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def feed(self, chunk: dict[str, Any]) -> list[ChatEvent]:
+        events: list[ChatEvent] = []
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                events.append(TextDelta(text))
+            for part in delta.get("tool_calls") or ():
+                slot = self._calls.setdefault(int(part.get("index", 0)), _ToolCallParts())
+                slot.id = part.get("id") or slot.id
+                function = part.get("function") or {}
+                slot.name = function.get("name") or slot.name
+                if function.get("arguments"):
+                    slot.arguments.append(function["arguments"])
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return events
+
+    def finished(self) -> Finished:
+        calls = tuple(
+            ToolCall(parts.id or f"call_{index}", parts.name, "".join(parts.arguments) or "{}")
+            for index, parts in sorted(self._calls.items())
+        )
+        return Finished(self.finish_reason, calls, self.prompt_tokens, self.completion_tokens)
+
+
+def error_message(raw: bytes) -> str:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw[:200].decode("utf-8", "replace")
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    if isinstance(body, dict) and body.get("detail"):
+        return str(body["detail"])
+    return raw[:200].decode("utf-8", "replace")
+
+
+class HttpChatClient:
+    """``ChatClient`` over an OpenAI-compatible base URL (a thunderproxy or any server)."""
+
+    def __init__(self, base_url: str, client: httpx.AsyncClient, *, admin_token: str = "") -> None:
+        self.base_url = base_url.rstrip("/")
+        self.client = client
+        self._headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
+
+    async def stream_chat(
+        self,
+        *,
+        model: str,
+        messages: list[dict[str, Any]],
+        program_id: str,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[ChatEvent]:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "program_id": program_id,
+        }
+        if tools:
+            body["tools"] = tools
+        if tool_choice is not None:
+            body["tool_choice"] = tool_choice
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        url = self.base_url + "/v1/chat/completions"
+        assembler = StreamAssembler()
+        try:
+            async with self.client.stream("POST", url, json=body) as response:
+                if response.status_code != 200:
+                    raw = await response.aread()
+                    raise MemberFailed(
+                        f"Model {model!r} answered HTTP {response.status_code} at {url}: "
+                        f"{error_message(raw)}"
+                    )
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        raise MemberFailed(
+                            f"Model {model!r} sent an unreadable stream chunk: {data[:120]!r}"
+                        ) from None
+                    if isinstance(chunk, dict) and "error" in chunk:
+                        raise MemberFailed(
+                            f"Model {model!r} failed mid-answer: {error_message(data.encode())}"
+                        )
+                    for event in assembler.feed(chunk):
+                        yield event
+        except httpx.HTTPError as exc:
+            raise MemberFailed(f"Model {model!r} could not be reached at {url}: {exc!r}") from exc
+        yield assembler.finished()
+
+    async def release(self, program_id: str) -> None:
+        """Release the program's KV hold on the proxy in front; a proxy that no longer knows
+        it (404) or a server that is not a thunderproxy needs nothing released."""
+        try:
+            await self.client.post(
+                self.base_url + "/programs/release",
+                json={"program_id": program_id},
+                headers=self._headers,
+            )
+        except httpx.HTTPError:
+            pass

@@ -1,0 +1,279 @@
+"""The three stages of a council job, calling models through a ``ChatClient`` and reporting
+every step through ``emit`` (which the runner makes durable before it returns).
+
+Members run in parallel; one that fails or runs out of time is left out and reported, and
+the job fails only when no member answered stage 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import trio
+
+from . import council
+from .council import MemberAnswer, MemberRanking, Turn
+from .errors import JobFailed, MemberFailed
+from .llm import ChatClient, TextDelta, ToolCall, closing
+from .tools import Toolbox, answer_with_tools
+
+#: Streamed text is saved and sent in pieces at most this far apart (trio seconds): one event
+#: per token would cost a commit each for no visible gain.
+CHUNK_INTERVAL_S = 0.05
+
+
+class Emit(Protocol):
+    async def __call__(self, type: str, data: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class CouncilConfig:
+    """Who sits on the council and how long each may take."""
+
+    members: tuple[str, ...]
+    chairman: str
+    title_model: str
+    member_timeout_s: float = 300.0
+    tool_rounds: int = 5
+    max_tokens: int | None = None
+
+
+def program_id(job_id: str, model: str) -> str:
+    """Each member's calls in one job are one program, so the scheduler keeps its cache."""
+    return f"council:{job_id}:{model}"
+
+
+class Chunker:
+    """Collects a member's streamed text and emits it at most every ``CHUNK_INTERVAL_S``."""
+
+    def __init__(self, emit: Emit, type: str, model: str) -> None:
+        self.emit = emit
+        self.type = type
+        self.model = model
+        self.pending: list[str] = []
+        self.last = -1e18
+
+    async def add(self, text: str) -> None:
+        self.pending.append(text)
+        if trio.current_time() - self.last >= CHUNK_INTERVAL_S:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if self.pending:
+            text = "".join(self.pending)
+            self.pending.clear()
+            self.last = trio.current_time()
+            await self.emit(self.type, {"model": self.model, "text": text})
+
+
+async def _member(
+    name: str,
+    timeout_s: float,
+    work: Callable[[], Awaitable[str]],
+) -> tuple[str | None, str | None]:
+    """(answer, None) or (None, why it failed)."""
+    try:
+        with trio.move_on_after(timeout_s) as scope:
+            return await work(), None
+    except MemberFailed as exc:
+        return None, exc.message
+    assert scope.cancelled_caught
+    return None, f"{name} did not finish within {timeout_s:g} s (see --council-member-timeout)."
+
+
+async def stage1(
+    client: ChatClient,
+    config: CouncilConfig,
+    job_id: str,
+    question: str,
+    turns: Sequence[Turn],
+    emit: Emit,
+    toolbox: Toolbox | None,
+) -> tuple[list[MemberAnswer], list[dict[str, str]]]:
+    await emit("stage1_start", {"models": list(config.members)})
+    answers: dict[str, str] = {}
+    failed: dict[str, str] = {}
+
+    async def one(model: str) -> None:
+        chunks = Chunker(emit, "stage1_chunk", model)
+
+        async def on_tool(round_: int, call: ToolCall, result: str) -> None:
+            await chunks.flush()
+            await emit(
+                "stage1_tool",
+                {"model": model, "round": round_, "name": call.name,
+                 "arguments": call.arguments, "result_chars": len(result),
+                 "ok": not result.startswith("Error:")},
+            )  # fmt: skip
+
+        async def work() -> str:
+            return await answer_with_tools(
+                client,
+                model=model,
+                messages=council.stage1_history(turns, model, question),
+                program_id=program_id(job_id, model),
+                toolbox=toolbox,
+                on_text=chunks.add,
+                on_tool=on_tool,
+                max_rounds=config.tool_rounds,
+                max_tokens=config.max_tokens,
+            )
+
+        answer, error = await _member(model, config.member_timeout_s, work)
+        await chunks.flush()
+        if answer is not None and answer.strip():
+            answers[model] = answer
+            await emit("stage1_member", {"model": model, "ok": True, "response": answer})
+        else:
+            failed[model] = error or f"{model} answered with no text."
+            await emit("stage1_member", {"model": model, "ok": False, "error": failed[model]})
+
+    async with trio.open_nursery() as nursery:
+        for model in config.members:
+            nursery.start_soon(one, model)
+    results = [MemberAnswer(m, answers[m]) for m in config.members if m in answers]
+    failures = [{"model": m, "error": failed[m]} for m in config.members if m in failed]
+    if not results:
+        raise JobFailed(
+            "No council member answered: "
+            + "; ".join(f"{f['model']}: {f['error']}" for f in failures)
+            + ". Check --council-models against the models the backends serve."
+        )
+    return results, failures
+
+
+async def stream_text(
+    client: ChatClient,
+    *,
+    model: str,
+    messages: list[dict[str, Any]],
+    program: str,
+    chunks: Chunker | None,
+    max_tokens: int | None,
+) -> str:
+    parts = []
+    stream = client.stream_chat(
+        model=model, messages=messages, program_id=program, max_tokens=max_tokens
+    )
+    async with closing(stream) as events:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+                if chunks is not None:
+                    await chunks.add(event.text)
+    if chunks is not None:
+        await chunks.flush()
+    return "".join(parts)
+
+
+async def stage2(
+    client: ChatClient,
+    config: CouncilConfig,
+    job_id: str,
+    question: str,
+    answers: Sequence[MemberAnswer],
+    emit: Emit,
+) -> tuple[list[MemberRanking], dict[str, str], list[dict[str, str]]]:
+    label_to_model, responses_text = council.anonymize(answers)
+    await emit("stage2_start", {"label_to_model": label_to_model})
+    prompt = council.stage2_prompt(question, responses_text)
+    rankings: dict[str, MemberRanking] = {}
+    failed: dict[str, str] = {}
+    rankers = [a.model for a in answers]
+
+    async def one(model: str) -> None:
+        chunks = Chunker(emit, "stage2_chunk", model)
+
+        async def work() -> str:
+            return await stream_text(
+                client,
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                program=program_id(job_id, model),
+                chunks=chunks,
+                max_tokens=config.max_tokens,
+            )
+
+        text, error = await _member(model, config.member_timeout_s, work)
+        if text is None:
+            failed[model] = error or "no ranking"
+            await emit("stage2_member", {"model": model, "ok": False, "error": failed[model]})
+            return
+        parsed = council.parse_ranking(text, known=list(label_to_model))
+        rankings[model] = MemberRanking(model, text, parsed)
+        await emit(
+            "stage2_member",
+            {"model": model, "ok": True, "ranking": text, "parsed_ranking": list(parsed)},
+        )
+
+    async with trio.open_nursery() as nursery:
+        for model in rankers:
+            nursery.start_soon(one, model)
+    ordered = [rankings[m] for m in rankers if m in rankings]
+    failures = [{"model": m, "error": failed[m]} for m in rankers if m in failed]
+    return ordered, label_to_model, failures
+
+
+async def stage3(
+    client: ChatClient,
+    config: CouncilConfig,
+    job_id: str,
+    question: str,
+    turns: Sequence[Turn],
+    answers: Sequence[MemberAnswer],
+    rankings: Sequence[MemberRanking],
+    standings: Sequence[council.Standing],
+    emit: Emit,
+) -> dict[str, Any]:
+    """The chairman's synthesis. A chairman that fails leaves the council's top-ranked answer
+    as the result, marked so, rather than losing the whole deliberation."""
+    model = config.chairman
+    await emit("stage3_start", {"model": model})
+    prompt = council.stage3_prompt(question, answers, rankings)
+    chunks = Chunker(emit, "stage3_chunk", model)
+
+    async def work() -> str:
+        return await stream_text(
+            client,
+            model=model,
+            messages=council.stage3_history(turns, prompt),
+            program=program_id(job_id, model),
+            chunks=chunks,
+            max_tokens=config.max_tokens,
+        )
+
+    text, error = await _member(model, config.member_timeout_s, work)
+    if text is not None and text.strip():
+        return {"model": model, "response": text}
+    best = standings[0].model if standings else answers[0].model
+    fallback = next(a.response for a in answers if a.model == best)
+    return {
+        "model": best,
+        "response": fallback,
+        "chairman_error": error or f"{model} answered with no text.",
+    }
+
+
+async def title(
+    client: ChatClient, config: CouncilConfig, job_id: str, question: str
+) -> str | None:
+    """A short conversation title; best effort (None when the title model fails)."""
+
+    async def work() -> str:
+        return await stream_text(
+            client,
+            model=config.title_model,
+            messages=[{"role": "user", "content": council.title_prompt(question)}],
+            program=program_id(job_id, config.title_model),
+            chunks=None,
+            max_tokens=24,
+        )
+
+    text, _ = await _member(config.title_model, config.member_timeout_s, work)
+    return council.clean_title(text) if text else None
+
+
+def standings_json(standings: Sequence[council.Standing]) -> list[dict[str, Any]]:
+    return [asdict(s) for s in standings]

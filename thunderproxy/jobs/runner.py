@@ -1,0 +1,313 @@
+"""``CouncilRunner``: runs council jobs in the runtime's nursery, makes every event durable
+before anyone sees it, lets any number of followers replay and follow a job, and on startup
+resumes the jobs a previous run left unfinished, from their last completed stage.
+
+A job outlives the HTTP request that started it: the client may leave and come back with
+``after=N``. Shutdown cancels running jobs where they stand; their rows still say which
+stage they were in, so the next start picks them up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import trio
+
+from ..errors import InvalidRequest
+from . import council, pipeline
+from .council import MemberAnswer, MemberRanking
+from .errors import JobFailed, JobRunning
+from .llm import ChatClient
+from .pipeline import CouncilConfig
+from .store import Event, JobStore
+from .tools import Toolbox
+
+log = logging.getLogger("thunderproxy.council")
+
+#: How long a job's programs may take to be released once it ends.
+RELEASE_GRACE_S = 5.0
+
+
+@dataclass
+class LiveJob:
+    """A job running in this process: its events so far (seq i at index i-1) and a wake-up
+    for followers."""
+
+    job_id: str
+    conversation_id: str
+    events: list[Event] = field(default_factory=list)
+    changed: trio.Event = field(default_factory=trio.Event)
+    finished: bool = False
+    done: trio.Event = field(default_factory=trio.Event)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class CouncilRunner:
+    """Owns the council's jobs. Routes call :meth:`start`, :meth:`follow`, :meth:`wait`."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        config: CouncilConfig,
+        *,
+        toolbox: Toolbox | None = None,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.toolbox = toolbox
+        self.client: ChatClient | None = None
+        self.live: dict[str, LiveJob] = {}
+        self._by_conversation: dict[str, str] = {}
+        self._nursery: trio.Nursery | None = None
+        self.stopped = False
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def serve(
+        self,
+        client: ChatClient,
+        *,
+        shutdown: trio.Event | None = None,
+        task_status: trio.TaskStatus[CouncilRunner] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run jobs until cancelled or ``shutdown`` is set; resumes unfinished jobs first."""
+        self.client = client
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for job_id in await self.store.unfinished_jobs():
+                    job = await self.store.get_job(job_id)
+                    if job is not None:
+                        log.info("resuming council job %s after stage %d", job_id,
+                                 job["completed_stage"])  # fmt: skip
+                        await self._launch(job)
+                task_status.started(self)
+                if shutdown is not None:
+                    await shutdown.wait()
+                    # Running jobs stop where they are; the next start resumes them.
+                    nursery.cancel_scope.cancel()
+                else:
+                    await trio.sleep_forever()
+        finally:
+            self.stopped = True
+            self._nursery = None
+            for live in list(self.live.values()):
+                live.notify()
+
+    @property
+    def ready(self) -> bool:
+        return self._nursery is not None
+
+    # --- starting and following ------------------------------------------------------------------
+    def running_job(self, conversation_id: str) -> str | None:
+        return self._by_conversation.get(conversation_id)
+
+    async def start(self, conversation_id: str, question: str) -> str:
+        """Record the question and start its job; raises ``JobRunning`` if one runs already."""
+        if self._nursery is None:
+            raise JobFailed("The council is not running; the proxy is starting or stopping.")
+        if not self.config.members:
+            raise InvalidRequest(
+                "No council is configured: start the proxy with --council-models a,b,c "
+                "(model names its backends serve)."
+            )
+        running = self._by_conversation.get(conversation_id)
+        if running is not None:
+            raise JobRunning(conversation_id, running)
+        # Reserve before the first await, so two concurrent starts cannot both pass the check.
+        self._by_conversation[conversation_id] = "starting"
+        try:
+            job_id = await self.store.create_job(
+                conversation_id,
+                question,
+                members=self.config.members,
+                chairman=self.config.chairman,
+                title_model=self.config.title_model,
+            )
+            job = await self.store.get_job(job_id)
+            assert job is not None
+            await self._launch(job)
+        except BaseException:
+            self._by_conversation.pop(conversation_id, None)
+            raise
+        return job_id
+
+    async def _launch(self, job: dict[str, Any]) -> None:
+        assert self._nursery is not None
+        live = LiveJob(job["id"], job["conversation_id"])
+        if job["last_seq"]:
+            live.events = await self.store.events(job["id"])
+        self.live[live.job_id] = live
+        self._by_conversation[live.conversation_id] = live.job_id
+        self._nursery.start_soon(self._run, job, live)
+
+    async def follow(
+        self, job_id: str, after: int = 0, *, keepalive_s: float = 15.0
+    ) -> AsyncGenerator[Event | None, None]:
+        """The job's events after ``after``, then its new ones as they are committed, until
+        it ends; ``None`` every ``keepalive_s`` of silence (a keepalive comment)."""
+        live = self.live.get(job_id)
+        if live is None:
+            for event in await self.store.events(job_id, after):
+                yield event
+            return
+        while True:
+            while after < len(live.events):
+                # One at a time: more events may be committed while this one is sent.
+                event = live.events[after]
+                after = event.seq
+                yield event
+            if live.finished or self.stopped:
+                return
+            waiting = live.changed
+            with trio.move_on_after(keepalive_s) as quiet:
+                await waiting.wait()
+            if quiet.cancelled_caught:
+                yield None
+
+    async def wait(self, job_id: str) -> None:
+        live = self.live.get(job_id)
+        if live is not None:
+            await live.done.wait()
+
+    # --- one job ---------------------------------------------------------------------------------
+    async def _run(self, job: dict[str, Any], live: LiveJob) -> None:
+        assert self.client is not None
+        client = self.client
+        job_id = live.job_id
+
+        order = trio.Lock()
+
+        async def emit(type: str, data: dict[str, Any]) -> None:
+            # One event of a job at a time: its number is its place in the stream, and a
+            # follower must never see event n+1 before event n is committed.
+            async with order:
+                event = await self.store.append(job_id, len(live.events) + 1, type, data)
+                live.events.append(event)
+            live.notify()
+
+        models = {*self.config.members, self.config.chairman}
+        if job["title_model"]:
+            models.add(job["title_model"])
+
+        async def release() -> None:
+            # Before the last event: a client that saw the job end finds its programs gone.
+            with trio.move_on_after(RELEASE_GRACE_S) as scope:
+                scope.shield = True
+                for model in sorted(models):
+                    await client.release(pipeline.program_id(job_id, model))
+
+        try:
+            await self._stages(job, emit)
+            await release()
+            await self.store.update_job(job_id, status="complete", finished_at=self.store.now())
+            await emit("complete", {})
+        except JobFailed as exc:
+            with trio.CancelScope(shield=True):
+                await release()
+                await emit("error", {"message": exc.message})
+                await self.store.update_job(
+                    job_id, status="error", error=exc.message, finished_at=self.store.now()
+                )
+        except Exception as exc:
+            log.exception("council job %s failed", job_id)
+            message = f"The council job failed unexpectedly: {exc!r}; see the proxy's log."
+            with trio.CancelScope(shield=True):
+                await release()
+                await emit("error", {"message": message})
+                await self.store.update_job(
+                    job_id, status="error", error=message, finished_at=self.store.now()
+                )
+        finally:
+            live.finished = True
+            self.live.pop(job_id, None)
+            if self._by_conversation.get(live.conversation_id) == job_id:
+                del self._by_conversation[live.conversation_id]
+            live.done.set()
+            live.notify()
+
+    async def _stages(self, job: dict[str, Any], emit: pipeline.Emit) -> None:
+        assert self.client is not None
+        client = self.client
+        store = self.store
+        job_id = job["id"]
+        question = job["question"]
+        # The job row keeps the council it was started with, so a resumed job after a
+        # configuration change still finishes with the same members.
+        config = CouncilConfig(
+            members=tuple(job["members"]),
+            chairman=job["chairman"],
+            title_model=job["title_model"] or self.config.title_model,
+            member_timeout_s=self.config.member_timeout_s,
+            tool_rounds=self.config.tool_rounds,
+            max_tokens=self.config.max_tokens,
+        )
+        done = job["completed_stage"]
+        conversation = await store.get_conversation(job["conversation_id"])
+        earlier = (conversation or {}).get("messages", [])
+        # Only the turns before this job's own question count as history.
+        for index, message in enumerate(earlier):
+            if message.get("job_id") == job_id:
+                earlier = earlier[: max(0, index - 1)]
+                break
+        turns = council.turns_from_messages(earlier)
+        if job["last_seq"]:
+            await store.update_job(job_id, resumes=job["resumes"] + 1)
+            await emit("resumed", {"completed_stage": done})
+        metadata: dict[str, Any] = dict(job["metadata"] or {})
+
+        if done < 1:
+            await store.update_job(job_id, status="stage1")
+            answers, failed = await pipeline.stage1(
+                client, config, job_id, question, turns, emit, self.toolbox
+            )
+            stage1 = [asdict(a) for a in answers]
+            metadata["failed_members"] = failed
+            await store.update_job(job_id, stage1=stage1, completed_stage=1, metadata=metadata)
+            await emit("stage1_complete", {"results": stage1, "failed": failed})
+        else:
+            answers = [MemberAnswer(**a) for a in job["stage1"]]
+
+        if done < 2:
+            await store.update_job(job_id, status="stage2")
+            rankings, label_to_model, failed2 = await pipeline.stage2(
+                client, config, job_id, question, answers, emit
+            )
+            standings = council.aggregate(rankings, label_to_model)
+            stage2 = [{**asdict(r), "parsed_ranking": list(r.parsed_ranking)} for r in rankings]
+            metadata.update(
+                label_to_model=label_to_model,
+                aggregate_rankings=pipeline.standings_json(standings),
+                failed_rankers=failed2,
+            )
+            await store.update_job(job_id, stage2=stage2, completed_stage=2, metadata=metadata)
+            await emit(
+                "stage2_complete",
+                {"rankings": stage2, "label_to_model": label_to_model,
+                 "aggregate_rankings": metadata["aggregate_rankings"], "failed": failed2},
+            )  # fmt: skip
+        else:
+            rankings = [
+                MemberRanking(r["model"], r["ranking"], tuple(r["parsed_ranking"]))
+                for r in job["stage2"]
+            ]
+            standings = [council.Standing(**s) for s in metadata.get("aggregate_rankings", [])]
+
+        if done < 3:
+            await store.update_job(job_id, status="stage3")
+            stage3 = await pipeline.stage3(
+                client, config, job_id, question, turns, answers, rankings, standings, emit
+            )
+            await store.update_job(job_id, stage3=stage3, completed_stage=3)
+            await emit("stage3_complete", stage3)
+
+        if job["title_model"]:
+            name = await pipeline.title(client, config, job_id, question)
+            if name:
+                await store.set_title(job["conversation_id"], name)
+                await emit("title_complete", {"title": name})
