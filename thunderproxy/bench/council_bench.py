@@ -7,7 +7,7 @@ their prompts extend what they sent before). Reported per router: the councils' 
 (median and slowest, real seconds at the chosen time scale), the prefix-cache hit rate of the
 member programs' calls (cached ÷ prompt tokens, from the audit db) and the engine's preemptions.
 
-    python -m thunderproxy.bench.council_bench --councils 6 --turns 2 --kv-tokens 48000
+    python -m thunderproxy.bench.council_bench --councils 8 --turns 2 --kv-tokens 12000
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ async def measure(
 @click.option("--councils", default=6, show_default=True, help="Conversations asking at once.")
 @click.option("--turns", default=2, show_default=True, help="Questions per conversation.")
 @click.option("--kv-tokens", default=48_000, show_default=True, help="The simulated KV cache.")
-@click.option("--time-scale", default=0.05, show_default=True,
-              help="Wall seconds per simulated second.")  # fmt: skip
+@click.option("--time-scale", default=1.0, show_default=True,
+              help="Wall seconds per simulated second. tr's cooldowns and waits are real "
+                   "seconds, so below 1 the comparison favours default.")  # fmt: skip
 @click.option("--json", "json_path", default=None, help="Write the figures as JSON here.")
 def main(
     councils: int, turns: int, kv_tokens: int, time_scale: float, json_path: str | None
