@@ -127,14 +127,12 @@ class ProgramRegistry:
         for index in self._index.values():
             out.update(index.reasoning)
             out.update(index.paused)
-            gone = []
-            for pid, program in index.recent.items():
-                if claims(program):
-                    out[pid] = program
-                else:
-                    gone.append(pid)
-            for pid in gone:
-                del index.recent[pid]
+            kept = {pid: p for pid, p in index.recent.items() if claims(p)}
+            if len(kept) != len(index.recent):
+                # A new dict, not deletions: a dict keeps its size after deletions, and
+                # iterating one emptied of 50,000 programs would still cost 50,000 slots.
+                index.recent = kept
+            out.update(kept)
         return list(out.values())
 
     def idle_since(self, cutoff: float) -> list[Program]:
