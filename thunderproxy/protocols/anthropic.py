@@ -154,12 +154,7 @@ class MessagesTap(SseTap):
         if event.name == "message_stop" or b'"message_stop"' in data:
             self.complete = True
             return False
-        if (
-            self.content_started
-            and not self.collect_answer
-            and b'"usage"' not in data
-            and b'"error"' not in data
-        ):
+        if self._skippable(data, collecting=self.collect_answer):
             return False
         payload = json_data(event)
         if payload is None:

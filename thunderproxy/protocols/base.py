@@ -344,6 +344,16 @@ class SseTap:
             "reading this stream (its usage is unknown) and relays it unchanged"
         )
 
+    def _skippable(self, data: bytes, *, collecting: bool) -> bool:
+        """After the first token, an event that names neither usage nor an error matters only
+        for answer collection: its JSON need not be parsed."""
+        return (
+            self.content_started
+            and not collecting
+            and b'"usage"' not in data
+            and b'"error"' not in data
+        )
+
     @property
     def overflowed(self) -> bool:
         """An event grew past ``max_event_bytes``: the stream cannot be read any further."""

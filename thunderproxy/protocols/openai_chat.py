@@ -149,13 +149,7 @@ class ChatTap(SseTap):
         if data == b"[DONE]":
             self.complete = True
             return False
-        # Most chunks after the first token matter only for answer collection: skip their JSON.
-        if (
-            self.content_started
-            and not self.collect_answer
-            and b'"usage"' not in data
-            and b'"error"' not in data
-        ):
+        if self._skippable(data, collecting=self.collect_answer):
             return False
         payload = json_data(event)
         if payload is None:
