@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import click
 
+from .admission.spec import LimitsSpec, parse_limits
 from .errors import ConfigError
 from .urls import redact_url
 
@@ -309,6 +310,8 @@ class Settings:
     backend_specs: tuple[BackendSpec, ...] = ()
     #: Public model name -> served model names: the first is the target, the rest fallbacks.
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=FrozenMap)
+    #: Rate limits per model and program class (``[limits]``, docs/LIMITS.md); None: no limits.
+    limits: LimitsSpec | None = None
 
     def __post_init__(self) -> None:
         # backends (URLs, what existing code reads) and backend_specs always agree.
@@ -340,6 +343,7 @@ class Settings:
             {**dataclasses.asdict(b), "url": redact_url(b.url)} for b in self.backend_specs
         ]
         values["aliases"] = {name: list(targets) for name, targets in self.aliases.items()}
+        values["limits"] = None if self.limits is None else self.limits.public()
         return values
 
 
@@ -395,7 +399,7 @@ def _table(cls: type[Any], path: tuple[str, ...] = ()) -> Iterator[Setting]:
 SETTINGS: tuple[Setting, ...] = tuple(_table(Settings))
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
 #: Settings fields filled from config-file sections rather than single flags.
-STRUCTURED = ("backend_specs", "aliases")
+STRUCTURED = ("backend_specs", "aliases", "limits")
 
 
 # --- config-file sections -------------------------------------------------------------------
@@ -568,6 +572,10 @@ def _aliases_section(value: Any, where: Where) -> Mapping[str, Any]:
         for name, targets in value.items()
     }
     return {"aliases": FrozenMap(aliases)}
+
+
+# [limits]: the parser sits beside the values it builds (admission/spec.py, docs/LIMITS.md).
+section("limits")(parse_limits)
 
 
 def _check_aliases(settings: Settings, where: Where) -> None:
