@@ -28,6 +28,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from . import __version__
+from .admission.service import AdmissionService, instance_name
 from .audit import AuditLog, serve_audit_writer
 from .audit.records import TransitionRecord
 from .audit.writer import check_database_path
@@ -268,6 +269,11 @@ async def run(
                 profiles=profiles,
                 first_byte_timeout=settings.first_byte_timeout,
                 read_timeout=settings.read_timeout,
+                admission=None
+                if settings.limits is None
+                else AdmissionService(
+                    settings.limits, pool=pool, audit=audit, instance=instance_name(settings)
+                ),
             )
             worker_cfg = worker_config(settings, os.environ)
             worker = None if worker_cfg is None else WorkerState(worker_cfg, audit.record)
