@@ -272,7 +272,11 @@ async def run(
                 admission=None
                 if settings.limits is None
                 else AdmissionService(
-                    settings.limits, pool=pool, audit=audit, instance=instance_name(settings)
+                    settings.limits,
+                    pool=pool,
+                    audit=audit,
+                    instance=instance_name(settings),
+                    offset=clock.unix(0.0),
                 ),
             )
             worker_cfg = worker_config(settings, os.environ)

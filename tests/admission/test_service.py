@@ -156,6 +156,7 @@ async def test_a_program_falls_back_past_its_wait_and_stays_there(
             "class": "default",
             "instance": "i0",
             "share": 1.0,
+            "limits": {"concurrent": 1.0},
             "to": SMALL,
             "alias": "coder",
             "why": "wait budget spent",

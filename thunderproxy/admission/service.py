@@ -89,9 +89,18 @@ class AdmissionService:
     """Implements the gateway's ``Admission``: ``admit`` before the lease, ``done`` once after."""
 
     def __init__(
-        self, spec: LimitsSpec, *, pool: BackendPool, audit: AuditLog, instance: str = "local"
+        self,
+        spec: LimitsSpec,
+        *,
+        pool: BackendPool,
+        audit: AuditLog,
+        instance: str = "local",
+        offset: float = 0.0,
     ) -> None:
         self.spec = spec
+        #: Unix time minus trio time: windows are aligned on the wall clock's minutes and days,
+        #: so that every instance (and a reader of the audit db) agrees where they start.
+        self.offset = offset
         self.pool = pool
         self.audit = audit
         self.instance = instance
@@ -145,7 +154,7 @@ class AdmissionService:
         if usage is not None and usage.prompt_tokens is not None:
             tokens = usage.prompt_tokens + (usage.completion_tokens or 0)
             self._learn(reservation.model, admitted.context_chars, usage)
-        settlement = self.limiter.settle(reservation, tokens, now)
+        settlement = self.limiter.settle(reservation, tokens, now + self.offset)
         for action, amount in (("refund", settlement.refund), ("overage", settlement.overage)):
             if amount:
                 self._decide(
@@ -204,7 +213,8 @@ class AdmissionService:
                         return None
                 if now >= deadline:
                     return None
-                wake_at = min(deadline, verdict.retry_at or deadline)
+                retry_at = None if verdict.retry_at is None else verdict.retry_at - self.offset
+                wake_at = min(deadline, retry_at or deadline)
                 with trio.move_on_at(wake_at):
                     await waiter.event.wait()
                 waiter.event = trio.Event()
@@ -235,7 +245,7 @@ class AdmissionService:
 
     def _check(self, model: str, klass: ClassSpec, tokens: int, now: float) -> Verdict:
         hungry = self._hungry(model) - {klass.name}
-        return self.limiter.check(model, klass, tokens, now, hungry)
+        return self.limiter.check(model, klass, tokens, now + self.offset, hungry)
 
     def _reserve(
         self,
@@ -247,7 +257,7 @@ class AdmissionService:
         now: float,
         waited: float,
     ) -> Reservation:
-        reservation = self.limiter.reserve(model, klass.name, tokens, now)
+        reservation = self.limiter.reserve(model, klass.name, tokens, now + self.offset)
         self.counts["admit"] += 1
         self._decide(
             now,
@@ -311,7 +321,8 @@ class AdmissionService:
                 "smaller max_tokens, or raise the limit in [limits]."
             )
         else:
-            retry = max(1.0, (verdict.retry_at or now + 1.0) - now)
+            unix = now + self.offset
+            retry = max(1.0, (verdict.retry_at or unix + 1.0) - unix)
             message = (
                 f"Rate limit reached for {model} ({dimension}: {verdict.used} used of "
                 f"{verdict.limit:g} for class {klass.name!r}) after waiting "
@@ -393,10 +404,20 @@ class AdmissionService:
             detail.update(
                 dimension=verdict.dimension,
                 window_s=size,
-                window_start=None if size is None else (verdict.retry_at or now) - size,
+                window_start=None
+                if size is None or verdict.retry_at is None
+                else verdict.retry_at - size,
                 limit=verdict.limit,
                 used=verdict.used,
             )
+        limits = self.limiter.limits(model)
+        if limits is not None:
+            # The capacity this instance enforced, so a reader compares usage with it per row.
+            detail["limits"] = {
+                d: getattr(limits, d) * self.limiter.share
+                for d in DIMENSIONS
+                if getattr(limits, d) is not None
+            }
         if extra:
             detail.update(extra)
         self.audit.record(
@@ -422,6 +443,7 @@ class AdmissionService:
     # -- what /health and /metrics show ---------------------------------------------------------
 
     def statistics(self, now: float) -> dict[str, Any]:
+        now += self.offset
         models: dict[str, Any] = {}
         for model, limits in self.spec.models.items():
             classes: dict[str, Any] = {}
