@@ -301,6 +301,18 @@ class Settings:
         "Worker mode: tokens of KV cache a typical agent program holds, to report how many "
         "programs the backend fits.",
     )
+    redis: str = setting(
+        "",
+        "Redis URL (redis://host:6379/0) through which instances share [limits]: global window "
+        "counters, heartbeats, each instance's share; empty: limits are this instance's alone.",
+        secret=True,
+    )
+    redis_heartbeat: float = setting(
+        1.0 * SECONDS,
+        "Seconds between heartbeats to Redis; an instance silent for three is counted out and "
+        "its share of the limits goes to the others.",
+        check=_positive,
+    )
     certfile: str = setting(
         "", "TLS certificate (PEM) to serve HTTPS with; needs --keyfile. Empty: plain HTTP."
     )
@@ -324,6 +336,11 @@ class Settings:
             raise ConfigError("backends and backend_specs name different URLs; pass only one.")
         if not isinstance(self.aliases, FrozenMap):
             object.__setattr__(self, "aliases", FrozenMap(self.aliases))
+        if self.redis and self.limits is None:
+            raise ConfigError(
+                "--redis shares rate limits between instances, but no [limits] section is "
+                "configured; add one to the --config file (docs/LIMITS.md) or drop --redis."
+            )
         if bool(self.certfile) != bool(self.keyfile):
             raise ConfigError("--certfile and --keyfile go together; pass both or neither.")
 

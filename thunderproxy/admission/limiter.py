@@ -121,6 +121,9 @@ class Limiter:
         self.share = 1.0
         self._usage: dict[tuple[str, str], ClassUsage] = {}
 
+    def set_share(self, share: float) -> None:
+        self.share = share
+
     def limits(self, model: str) -> ModelLimits | None:
         return self.spec.models.get(model)
 
@@ -192,6 +195,15 @@ class Limiter:
         day.tokens += tokens
         usage.concurrent += 1
         return Reservation(model, klass, tokens, minute.index, day.index)
+
+    def cancel(self, reservation: Reservation, now: float) -> None:
+        """Take back a reservation that was never used (the shared counters refused it)."""
+        usage = self.usage(reservation.model, reservation.klass)
+        usage.concurrent = max(0, usage.concurrent - 1)
+        for counter, index in ((usage.minute, reservation.minute), (usage.day, reservation.day)):
+            if counter.at(now).index == index:
+                counter.requests = max(0, counter.requests - 1)
+                counter.tokens = max(0, counter.tokens - reservation.tokens)
 
     def settle(self, reservation: Reservation, tokens: int | None, now: float) -> Settlement:
         """The call ended: it no longer runs, and its reported ``tokens`` (prompt + completion)

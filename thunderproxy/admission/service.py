@@ -31,7 +31,8 @@ from ..errors import InvalidRequest, RateLimited
 from ..gateway import Admitted, Call
 from ..programs import StepUsage
 from ..scheduling.learners import PromptSizer
-from .limiter import DIMENSIONS, WINDOWED, Limiter, Reservation, Verdict
+from .limiter import DIMENSIONS, WINDOWED, Limiter, Reservation, Verdict, window_end
+from .shared import SharedLimits
 from .spec import ClassSpec, LimitsSpec
 
 log = logging.getLogger("thunderproxy.admission")
@@ -96,6 +97,7 @@ class AdmissionService:
         audit: AuditLog,
         instance: str = "local",
         offset: float = 0.0,
+        shared: SharedLimits | None = None,
     ) -> None:
         self.spec = spec
         #: Unix time minus trio time: windows are aligned on the wall clock's minutes and days,
@@ -105,6 +107,8 @@ class AdmissionService:
         self.audit = audit
         self.instance = instance
         self.limiter = Limiter(spec)
+        #: Redis counters shared with the other instances (None: this instance alone).
+        self.shared = shared
         self.queues: dict[tuple[str, str], deque[Waiter]] = {}
         #: program -> index in its model's chain it was admitted on (kept while it runs).
         self.pinned: OrderedDict[str, int] = OrderedDict()
@@ -126,9 +130,14 @@ class AdmissionService:
                 continue
             tokens = self._estimate(served, call)
             reservation = None
+            refusal = Verdict(False)
             if served is not None and self.limiter.limits(served) is not None:
-                reservation = await self._wait(call, served, klass, tokens, returning, now)
+                outcome = await self._wait(call, served, klass, tokens, returning, now)
                 now = trio.current_time()
+                if isinstance(outcome, Verdict):
+                    refusal = outcome
+                else:
+                    reservation = outcome
             if reservation is not None or served is None or self.limiter.limits(served) is None:
                 self._pin(call.program_id, index)
                 return Ticket(
@@ -141,7 +150,7 @@ class AdmissionService:
             if index + 1 < len(chain):
                 index = self._fall_back(call, klass, chain, index, "wait budget spent", now)
                 continue
-            raise self._refuse(call, served, klass, tokens, now)
+            raise self._refuse(call, served, klass, tokens, refusal, now)
 
     def done(self, admitted: Admitted, usage: StepUsage | None, status: int, now: float) -> None:
         if not isinstance(admitted, Ticket) or admitted.settled:
@@ -155,6 +164,8 @@ class AdmissionService:
             tokens = usage.prompt_tokens + (usage.completion_tokens or 0)
             self._learn(reservation.model, admitted.context_chars, usage)
         settlement = self.limiter.settle(reservation, tokens, now + self.offset)
+        if self.shared is not None and tokens is not None:
+            self.shared.settle(reservation, tokens - reservation.tokens, now + self.offset)
         for action, amount in (("refund", settlement.refund), ("overage", settlement.overage)):
             if amount:
                 self._decide(
@@ -173,17 +184,18 @@ class AdmissionService:
 
     async def _wait(
         self, call: Call, model: str, klass: ClassSpec, tokens: int, returning: bool, now: float
-    ) -> Reservation | None:
+    ) -> Reservation | Verdict:
+        """The call's reservation, or the verdict that kept it out past its wait."""
         queue = self.queues.setdefault((model, klass.name), deque())
         waiter = Waiter(call.program_id, returning, tokens)
         if not queue:
-            verdict = self._check(model, klass, tokens, now)
-            if verdict.admitted:
-                return self._reserve(call.program_id, model, klass, tokens, verdict, now, 0.0)
+            reservation, verdict = await self._try(call.program_id, model, klass, tokens, now, 0.0)
+            if reservation is not None:
+                return reservation
         else:
             verdict = Verdict(False, retry_at=None)
         if verdict.never:
-            return None
+            return verdict
         position = self._enqueue(queue, waiter)
         self.counts["queue"] += 1
         self._decide(
@@ -202,17 +214,16 @@ class AdmissionService:
             while True:
                 now = trio.current_time()
                 if queue[0] is waiter:
-                    verdict = self._check(model, klass, tokens, now)
-                    if verdict.admitted:
-                        queue.popleft()
-                        waited = now - (deadline - klass.max_wait_s)
-                        return self._reserve(
-                            call.program_id, model, klass, tokens, verdict, now, waited
-                        )
+                    waited = now - (deadline - klass.max_wait_s)
+                    reservation, verdict = await self._try(
+                        call.program_id, model, klass, tokens, now, waited
+                    )
+                    if reservation is not None:
+                        return reservation
                     if verdict.never:
-                        return None
+                        return verdict
                 if now >= deadline:
-                    return None
+                    return verdict
                 retry_at = None if verdict.retry_at is None else verdict.retry_at - self.offset
                 wake_at = min(deadline, retry_at or deadline)
                 with trio.move_on_at(wake_at):
@@ -224,6 +235,29 @@ class AdmissionService:
             if waiter in queue:
                 queue.remove(waiter)
             self._wake(model)
+
+    async def _try(
+        self, program_id: str, model: str, klass: ClassSpec, tokens: int, now: float, waited: float
+    ) -> tuple[Reservation | None, Verdict]:
+        """Reserve locally if the call fits this instance's share, then in the shared windows;
+        a refusal there takes the local reservation back."""
+        verdict = self._check(model, klass, tokens, now)
+        if not verdict.admitted:
+            return None, verdict
+        reservation = self.limiter.reserve(model, klass.name, tokens, now + self.offset)
+        limits = self.limiter.limits(model)
+        if self.shared is not None and limits is not None:
+            answer = await self.shared.reserve(model, limits, tokens, now + self.offset)
+            if not answer.admitted:
+                unix = trio.current_time() + self.offset
+                self.limiter.cancel(reservation, unix)
+                size = WINDOWED[answer.dimension or "rpm"][0]
+                limit = getattr(limits, answer.dimension or "rpm")
+                return None, Verdict(
+                    False, answer.dimension, limit, answer.used, tokens, window_end(unix, size)
+                )
+        self._admitted(program_id, model, klass, tokens, now, waited)
+        return reservation, verdict
 
     def _enqueue(self, queue: deque[Waiter], waiter: Waiter) -> int:
         """FIFO, except that a program that already ran goes ahead of newcomers."""
@@ -247,17 +281,9 @@ class AdmissionService:
         hungry = self._hungry(model) - {klass.name}
         return self.limiter.check(model, klass, tokens, now + self.offset, hungry)
 
-    def _reserve(
-        self,
-        program_id: str,
-        model: str,
-        klass: ClassSpec,
-        tokens: int,
-        verdict: Verdict,
-        now: float,
-        waited: float,
-    ) -> Reservation:
-        reservation = self.limiter.reserve(model, klass.name, tokens, now + self.offset)
+    def _admitted(
+        self, program_id: str, model: str, klass: ClassSpec, tokens: int, now: float, waited: float
+    ) -> None:
         self.counts["admit"] += 1
         self._decide(
             now,
@@ -269,7 +295,6 @@ class AdmissionService:
             reserved=tokens,
             waited=waited,
         )
-        return reservation
 
     # -- fallbacks and refusals -----------------------------------------------------------------
 
@@ -298,9 +323,12 @@ class AdmissionService:
         return index + 1
 
     def _refuse(
-        self, call: Call, model: str, klass: ClassSpec, tokens: int, now: float
+        self, call: Call, model: str, klass: ClassSpec, tokens: int, refusal: Verdict, now: float
     ) -> RateLimited:
-        verdict = self._check(model, klass, tokens, now)
+        # The verdict that held it; one still behind others of its class is measured now.
+        verdict = refusal if refusal.dimension else self._check(model, klass, tokens, now)
+        if verdict.admitted:
+            verdict = Verdict(False, retry_at=now + self.offset + 1.0)
         self.counts["reject"] += 1
         self._decide(
             now,
@@ -319,6 +347,12 @@ class AdmissionService:
                 f"This call needs {verdict.need} of {model}'s {dimension} but class "
                 f"{klass.name!r} can have at most {verdict.limit:g}; send a shorter prompt or a "
                 "smaller max_tokens, or raise the limit in [limits]."
+            )
+        elif verdict.limit is None:
+            retry = 1.0
+            message = (
+                f"Rate limit reached for {model}: calls of class {klass.name!r} queued ahead of "
+                f"this one for its whole {klass.max_wait_s:g}s wait; retry after {retry:.0f}s."
             )
         else:
             unix = now + self.offset
@@ -468,6 +502,7 @@ class AdmissionService:
         return {
             "instance": self.instance,
             "share": self.limiter.share,
+            "redis": None if self.shared is None else self.shared.statistics(),
             "counts": dict(self.counts),
             "models": models,
         }
