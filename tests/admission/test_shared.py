@@ -5,16 +5,20 @@ Redis leaving and coming back fails no call that is not a 429."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from tests.admission.conftest import RedisServer
-from tests.conftest import spawn_serving
+from tests.conftest import query, spawn_serving
 from thunderproxy.sim import SimConfig, open_simulator
 
 BIG = "qwen-32b"
@@ -53,6 +57,21 @@ def chat(program: str) -> dict[str, Any]:
     }
 
 
+@asynccontextmanager
+async def killed_at_exit() -> AsyncIterator[list[tuple[Any, str]]]:
+    """The serve processes a test starts: whatever happens, none outlives it."""
+    procs: list[tuple[Any, str]] = []
+    try:
+        yield procs
+    finally:
+        for process, _ in procs:
+            if process.returncode is None:
+                process.kill()
+        with trio.CancelScope(shield=True):
+            for process, _ in procs:
+                await process.wait()
+
+
 async def drain(process: Any, log: Path) -> None:
     """Keep a child's log (it never blocks on a full pipe, and a failure can be read)."""
     with log.open("ab") as out:
@@ -70,9 +89,9 @@ async def test_three_instances_share_one_limit(tmp_path: Path, redis_server: Red
     async with (
         open_simulator(SimConfig(served_model_name=BIG, time_scale=0.02)) as sim,
         httpx.AsyncClient(timeout=30) as client,
+        killed_at_exit() as procs,
         trio.open_nursery() as nursery,
     ):
-        procs = []
         for i in range(3):
             process, url = await serve(tmp_path, f"i{i}", cfg, redis_server.url, sim.url)
             nursery.start_soon(drain, process, tmp_path / f"i{i}.log")
@@ -139,3 +158,65 @@ async def test_three_instances_share_one_limit(tmp_path: Path, redis_server: Red
                 await process.wait()
         nursery.cancel_scope.cancel()
     print(json.dumps({"redistributed_s": round(redistributed_s, 3)}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("instances", [1, 3])
+async def test_saturated_instances_stay_within_the_limit_and_use_it(
+    tmp_path: Path, redis_server: RedisServer, instances: int
+) -> None:
+    """A load generator offers far more than rpm = 300 through every instance for a little over
+    a minute; in the one wall-clock minute it covers whole, the calls admitted over all
+    instances are at most 2% above the limit and at least 90% of it."""
+    cfg = config(tmp_path, rpm=300)
+    # Start the instances some seconds before a minute begins, so that minute is covered whole.
+    await trio.sleep((48 - time.time() % 60) % 60)
+    async with (
+        open_simulator(SimConfig(served_model_name=BIG, time_scale=0.02)) as sim,
+        httpx.AsyncClient(timeout=30) as client,
+        killed_at_exit() as procs,
+        trio.open_nursery() as nursery,
+    ):
+        for i in range(instances):
+            process, url = await serve(tmp_path, f"i{i}", cfg, redis_server.url, sim.url)
+            nursery.start_soon(drain, process, tmp_path / f"i{i}.log")
+            procs.append((process, url))
+        failures: list[int] = []
+        # Until just past the end of the first minute that starts after the load does.
+        stop_at = trio.current_time() + (math.ceil(time.time() / 60) * 60 + 62 - time.time())
+
+        async def worker(url: str, n: int) -> None:
+            k = 0
+            while trio.current_time() < stop_at:
+                r = await client.post(url + "/v1/chat/completions", json=chat(f"{url}-{n}-{k}"))
+                if r.status_code not in (200, 429):
+                    failures.append(r.status_code)
+                k += 1
+                await trio.sleep(0.05)  # the generator's pace: ~20 attempts/s per worker
+
+        async with trio.open_nursery() as load:
+            for _, url in procs:
+                for n in range(4):
+                    load.start_soon(worker, url, n)
+        for process, _ in procs:
+            process.terminate()
+        with trio.fail_after(30):
+            for process, _ in procs:
+                await process.wait()
+        nursery.cancel_scope.cancel()
+    assert failures == []
+    per_minute: dict[int, int] = {}
+    for i in range(instances):
+        for row in query(
+            tmp_path / f"i{i}.db",
+            "select cast(at / 60 as integer) as m, count(*) as n from decisions "
+            "where action = 'admit' and rule like 'admission.%' group by m",
+        ):
+            per_minute[row["m"]] = per_minute.get(row["m"], 0) + row["n"]
+    whole = sorted(per_minute)[1:-1]  # the first and last minutes are partly covered
+    assert whole, per_minute
+    for minute in whole:
+        admitted = per_minute[minute]
+        print(json.dumps({"instances": instances, "minute": minute, "admitted": admitted}))
+        assert admitted <= 300 * 1.02
+        assert admitted >= 300 * 0.9
