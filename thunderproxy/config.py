@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import click
 
+from .admission.spec import LimitsSpec, parse_limits
 from .errors import ConfigError
 from .http.guard import DEFAULT_PASSTHROUGH, parse_prefixes
 from .urls import redact_url
@@ -387,6 +388,18 @@ class Settings:
         "Worker mode: tokens of KV cache a typical agent program holds, to report how many "
         "programs the backend fits.",
     )
+    redis: str = setting(
+        "",
+        "Redis URL (redis://host:6379/0) through which instances share [limits]: global window "
+        "counters, heartbeats, each instance's share; empty: limits are this instance's alone.",
+        secret=True,
+    )
+    redis_heartbeat: float = setting(
+        1.0 * SECONDS,
+        "Seconds between heartbeats to Redis; an instance silent for three is counted out and "
+        "its share of the limits goes to the others.",
+        check=_positive,
+    )
     certfile: str = setting(
         "", "TLS certificate (PEM) to serve HTTPS with; needs --keyfile. Empty: plain HTTP."
     )
@@ -396,6 +409,8 @@ class Settings:
     backend_specs: tuple[BackendSpec, ...] = ()
     #: Public model name -> served model names: the first is the target, the rest fallbacks.
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=FrozenMap)
+    #: Rate limits per model and program class (``[limits]``, docs/LIMITS.md); None: no limits.
+    limits: LimitsSpec | None = None
 
     def __post_init__(self) -> None:
         # backends (URLs, what existing code reads) and backend_specs always agree.
@@ -408,6 +423,11 @@ class Settings:
             raise ConfigError("backends and backend_specs name different URLs; pass only one.")
         if not isinstance(self.aliases, FrozenMap):
             object.__setattr__(self, "aliases", FrozenMap(self.aliases))
+        if self.redis and self.limits is None:
+            raise ConfigError(
+                "--redis shares rate limits between instances, but no [limits] section is "
+                "configured; add one to the --config file (docs/LIMITS.md) or drop --redis."
+            )
         if bool(self.certfile) != bool(self.keyfile):
             raise ConfigError("--certfile and --keyfile go together; pass both or neither.")
 
@@ -427,6 +447,7 @@ class Settings:
             {**dataclasses.asdict(b), "url": redact_url(b.url)} for b in self.backend_specs
         ]
         values["aliases"] = {name: list(targets) for name, targets in self.aliases.items()}
+        values["limits"] = None if self.limits is None else self.limits.public()
         return values
 
 
@@ -482,7 +503,7 @@ def _table(cls: type[Any], path: tuple[str, ...] = ()) -> Iterator[Setting]:
 SETTINGS: tuple[Setting, ...] = tuple(_table(Settings))
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
 #: Settings fields filled from config-file sections rather than single flags.
-STRUCTURED = ("backend_specs", "aliases")
+STRUCTURED = ("backend_specs", "aliases", "limits")
 
 
 # --- config-file sections -------------------------------------------------------------------
@@ -655,6 +676,10 @@ def _aliases_section(value: Any, where: Where) -> Mapping[str, Any]:
         for name, targets in value.items()
     }
     return {"aliases": FrozenMap(aliases)}
+
+
+# [limits]: the parser sits beside the values it builds (admission/spec.py, docs/LIMITS.md).
+section("limits")(parse_limits)
 
 
 def _check_aliases(settings: Settings, where: Where) -> None:

@@ -20,6 +20,7 @@ its HTTP status and OpenAI error type; http/errors.py renders them.
         ProfilingDisabled           /profiles asked while --no-profile (400)
         ProgramReleased             the program was released while its request waited (409)
         QueueFull                   the wait for capacity would exceed the bound (429)
+          RateLimited               a model's rate limit held the call past its class's wait (429)
       ProxyStopping                 the proxy shut down before the call ended (503)
       ShuttingDown                  a request that arrived after SIGTERM/SIGINT (503)
       BackendError                  the upstream could not answer properly
@@ -143,6 +144,11 @@ class QueueFull(SchedulingError):
         self.retry_after_s = retry_after_s
 
 
+class RateLimited(QueueFull):
+    """A call over its model's limits (docs/LIMITS.md) waited its class's ``max_wait`` and still
+    did not fit; ``retry_after_s`` is when the binding window closes."""
+
+
 class ProgramReleased(SchedulingError):
     pass
 
@@ -195,6 +201,7 @@ ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
     ProgramReleased: (409, "conflict_error"),
     PayloadTooLarge: (413, "invalid_request_error"),
     QueueFull: (429, "rate_limit_error"),
+    RateLimited: (429, "rate_limit_error"),
     HeadersTooLarge: (431, "invalid_request_error"),
     ConfigError: (500, "config_error"),
     AuditError: (500, "audit_error"),

@@ -30,6 +30,7 @@ import trio
 from .audit import AuditLog, StepRecord
 from .audit.records import RejectionRecord
 from .backends import BackendNode, BackendPool, UpstreamRequest, UpstreamResponse, header
+from .backends.pool import Route
 from .errors import (
     BackendError,
     BackendProtocolError,
@@ -86,14 +87,31 @@ class Wire(Protocol):
         ...
 
 
+@dataclass
+class Admitted:
+    """What admission hands back for an admitted call: the served model to send it to when
+    admission chose one (an alias's fallback), else None; implementations add what they must
+    settle in ``done``."""
+
+    served: str | None = None
+
+
 class Admission(Protocol):
-    async def admit(self, call: Call, now: float) -> None:
+    async def admit(self, call: Call, now: float) -> Admitted:
         """Return to admit ``call``; raise a ThunderproxyError to refuse it."""
+        ...
+
+    def done(self, admitted: Admitted, usage: StepUsage | None, status: int, now: float) -> None:
+        """Called once for every admitted call when it ends, however it ends (``usage`` None:
+        nothing was reported), so reservations are settled."""
         ...
 
 
 class AdmitAll:
-    async def admit(self, call: Call, now: float) -> None:
+    async def admit(self, call: Call, now: float) -> Admitted:
+        return Admitted()
+
+    def done(self, admitted: Admitted, usage: StepUsage | None, status: int, now: float) -> None:
         return None
 
 
@@ -124,6 +142,7 @@ class Exchange:
     call: Call
     lease: StepLease
     response: UpstreamResponse
+    admitted: Admitted = field(default_factory=Admitted)
     first_token_at: float | None = None
     usage: StepUsage = field(default_factory=StepUsage)
     done: bool = False
@@ -289,9 +308,13 @@ class Gateway:
     async def open(self, call: Call) -> Exchange:
         """Run ``call`` up to the backend's answer. Raises the ThunderproxyError that refused
         or failed it (already recorded), or Cancelled if the caller went away meanwhile."""
+        admitted: Admitted | None = None
         try:
             route = self.pool.route(call.model)
-            await self.admission.admit(call, trio.current_time())
+            admitted = await self.admission.admit(call, trio.current_time())
+            if admitted.served is not None and admitted.served != route.served:
+                # Admission pinned this program to another model of the alias's chain.
+                route = Route(call.model, admitted.served, self.pool.route(admitted.served).nodes)
             lease = await self.scheduler.lease(
                 call.program_id,
                 route,
@@ -300,9 +323,13 @@ class Gateway:
             )
         except ThunderproxyError as exc:
             self._reject(call, exc)
+            if admitted is not None:
+                self.admission.done(admitted, None, describe(exc)[0], trio.current_time())
             raise
         except trio.Cancelled:
             self._never_sent(call)
+            if admitted is not None:
+                self.admission.done(admitted, None, self._cut()[0], trio.current_time())
             raise
         body = call.body
         if route.served is not None and route.served != call.model:
@@ -319,18 +346,18 @@ class Gateway:
         except trio.TooSlowError:
             error = self.timeout(node)
             node.health.failed(error)
-            self._close(lease, call, describe(error)[0], error.message)
+            self._close(lease, call, describe(error)[0], error.message, admitted=admitted)
             raise error from None
         except BackendError as exc:
             node.health.failed(exc)
-            self._close(lease, call, describe(exc)[0], exc.message)
+            self._close(lease, call, describe(exc)[0], exc.message, admitted=admitted)
             raise
         except BaseException:
             status, message = self._cut()
-            self._close(lease, call, status, message)
+            self._close(lease, call, status, message, admitted=admitted)
             raise
         node.health.answered(response.status_code)
-        return Exchange(self, call, lease, response)
+        return Exchange(self, call, lease, response, admitted)
 
     def timeout(self, node: BackendNode) -> BackendError:
         return BackendTimeout(
@@ -352,6 +379,7 @@ class Gateway:
             error,
             usage=exchange.usage,
             first_token_at=exchange.first_token_at,
+            admitted=exchange.admitted,
         )
 
     def _close(
@@ -363,7 +391,13 @@ class Gateway:
         *,
         usage: StepUsage | None = None,
         first_token_at: float | None = None,
+        admitted: Admitted | None = None,
     ) -> None:
+        if admitted is not None:
+            # Settled before the lease, whether or not this close is the first: a reservation
+            # must never be left held (the admission stage ignores a second settle).
+            reported = usage if usage is not None and usage.known else None
+            self.admission.done(admitted, reported, status, trio.current_time())
         usage = usage or StepUsage()
         if status == CLIENT_CLOSED:
             reason = "client disconnected"
@@ -434,4 +468,4 @@ class Gateway:
         )
 
 
-__all__ = ["AdmitAll", "Admission", "Call", "Exchange", "Gateway", "Tap", "Wire"]
+__all__ = ["AdmitAll", "Admission", "Admitted", "Call", "Exchange", "Gateway", "Tap", "Wire"]

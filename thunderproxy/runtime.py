@@ -28,6 +28,8 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from . import __version__
+from .admission.service import AdmissionService, instance_name
+from .admission.shared import SharedLimits
 from .audit import AuditLog, serve_audit_writer
 from .audit.records import TransitionRecord
 from .audit.writer import check_database_path
@@ -264,6 +266,29 @@ async def run(
                 pool=pool,
                 audit=audit,
             )
+            admission = None
+            if settings.limits is not None:
+                instance = instance_name(settings)
+                shared = (
+                    SharedLimits(settings.redis, instance, heartbeat_s=settings.redis_heartbeat)
+                    if settings.redis
+                    else None
+                )
+                admission = AdmissionService(
+                    settings.limits,
+                    pool=pool,
+                    audit=audit,
+                    instance=instance,
+                    offset=clock.unix(0.0),
+                    shared=shared,
+                )
+                if shared is not None:
+                    # The first heartbeat sets this instance's share before any call is admitted.
+                    await nursery.start(
+                        _in_scope,
+                        background,
+                        partial(shared.serve, clock.unix(0.0), admission.limiter.set_share),
+                    )
             gateway = Gateway(
                 pool=pool,
                 scheduler=scheduler,
@@ -271,6 +296,7 @@ async def run(
                 profiles=profiles,
                 first_byte_timeout=settings.first_byte_timeout,
                 read_timeout=settings.read_timeout,
+                admission=admission,
             )
             worker_cfg = worker_config(settings, os.environ)
             worker = None if worker_cfg is None else WorkerState(worker_cfg, audit.record)

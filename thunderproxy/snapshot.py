@@ -6,7 +6,9 @@ each walking the registry and the pool; it is cheap to take and never changes af
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .audit.writer import AuditStatistics
 from .backends import BackendPool
@@ -38,6 +40,8 @@ class Statistics:
     backends: tuple[BackendStatistics, ...]
     served_models: tuple[str, ...]
     audit: AuditStatistics
+    #: Limits, usage and queues per model and class (docs/LIMITS.md); None without [limits].
+    admission: Mapping[str, Any] | None = None
 
     @property
     def healthy_backends(self) -> list[str]:
@@ -45,7 +49,12 @@ class Statistics:
 
 
 def take(
-    *, router: str, registry: ProgramRegistry, pool: BackendPool, audit: AuditStatistics
+    *,
+    router: str,
+    registry: ProgramRegistry,
+    pool: BackendPool,
+    audit: AuditStatistics,
+    admission: Mapping[str, Any] | None = None,
 ) -> Statistics:
     loads = registry.load_by_backend()
     return Statistics(
@@ -66,4 +75,5 @@ def take(
         ),
         served_models=tuple(pool.served_models()),
         audit=audit,
+        admission=admission,
     )

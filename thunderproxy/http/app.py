@@ -14,6 +14,7 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from .. import __version__, snapshot
+from ..admission.service import AdmissionService
 from ..audit.records import RejectionRecord
 from ..backends import BackendPool
 from ..clock import WallClock
@@ -75,6 +76,9 @@ class Services:
             registry=self.scheduler.registry,
             pool=self.pool,
             audit=self.gateway.audit.statistics(),
+            admission=self.gateway.admission.statistics(trio.current_time())
+            if isinstance(self.gateway.admission, AdmissionService)
+            else None,
         )
 
 
@@ -338,6 +342,7 @@ def create_app(services: Services) -> ThunderproxyApp:
                 },
                 "profile_enabled": settings.profile,
                 "audit": _audit_json(stats),
+                "admission": stats.admission,
             }
         )
         if starting is not None:
@@ -388,6 +393,7 @@ def create_app(services: Services) -> ThunderproxyApp:
                 "metrics_interval": settings.metrics_interval,
                 "backends": backends,
                 "audit": _audit_json(stats),
+                "admission": stats.admission,
             }
         )
 

@@ -1,0 +1,214 @@
+"""The admission stage on trio's MockClock: waiting, FIFO, returning programs first, leaving
+the queue, 429 with Retry-After from the window, fallbacks that stick, settling usage."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from thunderproxy.admission.service import AdmissionService, Ticket
+from thunderproxy.admission.spec import ClassSpec, LimitsSpec, ModelLimits
+from thunderproxy.audit import AuditLog
+from thunderproxy.audit.records import AuditRecord, DecisionRecord
+from thunderproxy.backends import BackendPool
+from thunderproxy.errors import InvalidRequest, RateLimited
+from thunderproxy.gateway import Call
+from thunderproxy.http.sse import OPENAI
+from thunderproxy.programs import StepUsage
+
+BIG, SMALL = "qwen-32b", "qwen-8b"
+
+
+def service(
+    limits: dict[str, ModelLimits], classes: tuple[ClassSpec, ...] | None = None
+) -> tuple[AdmissionService, trio.MemoryReceiveChannel[AuditRecord]]:
+    send, receive = trio.open_memory_channel[AuditRecord](1000)
+    pool = BackendPool(aliases={"coder": (BIG, SMALL)})
+    pool.add("http://gpu0:8000", models=[BIG])
+    pool.add("http://gpu1:8000", models=[SMALL])
+    spec = LimitsSpec(limits, classes or (ClassSpec("default", 1.0, max_wait_s=10.0),), "default")
+    if classes:
+        spec = LimitsSpec(limits, classes, classes[0].name)
+    return AdmissionService(spec, pool=pool, audit=AuditLog(send, 1), instance="i0"), receive
+
+
+def call(program: str, model: str = BIG, **body: Any) -> Call:
+    return Call(
+        program_id=program,
+        endpoint="/v1/chat/completions",
+        body={"model": model, "max_tokens": 10, **body},
+        wire=OPENAI,
+        arrived_at=trio.current_time(),
+        model=model,
+        context_chars=40,
+    )
+
+
+def decisions(
+    receive: trio.MemoryReceiveChannel[AuditRecord],
+) -> list[tuple[str, str, dict[str, Any]]]:
+    rows = []
+    while True:
+        try:
+            record = receive.receive_nowait()
+        except trio.WouldBlock:
+            return rows
+        if isinstance(record, DecisionRecord):
+            rows.append((record.program_id, record.action, json.loads(record.detail or "{}")))
+
+
+async def test_a_call_over_rpm_waits_for_the_next_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm, rx = service({BIG: ModelLimits(rpm=1)})
+    await trio.sleep(50.0 - trio.current_time())
+    await adm.admit(call("a"), trio.current_time())
+    await adm.admit(call("b"), trio.current_time())
+    assert trio.current_time() == pytest.approx(60.0)
+    actions = [(p, a) for p, a, _ in decisions(rx)]
+    assert actions == [("a", "admit"), ("b", "queue"), ("b", "admit")]
+
+
+async def test_past_its_wait_a_call_is_refused_with_retry_after_from_the_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm, rx = service({BIG: ModelLimits(rpd=1)})
+    await adm.admit(call("a"), trio.current_time())
+    with pytest.raises(RateLimited) as info:
+        await adm.admit(call("b"), trio.current_time())
+    assert trio.current_time() == pytest.approx(10.0)
+    assert info.value.retry_after_s == pytest.approx(86_400.0 - 10.0)
+    assert "rpd: 1 used of 1" in info.value.message
+    rows = decisions(rx)
+    assert rows[-1][1] == "reject"
+    assert rows[-1][2]["dimension"] == "rpd"
+    assert rows[-1][2]["instance"] == "i0"
+
+
+async def test_fifo_within_a_class_and_returning_programs_go_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm, _ = service({BIG: ModelLimits(concurrent=1)})
+    first = await adm.admit(call("old"), trio.current_time())
+    adm.done(first, StepUsage(5, 5), 200, trio.current_time())  # "old" has run once
+    holder = await adm.admit(call("holder"), trio.current_time())
+    order: list[str] = []
+
+    async def one(program: str) -> None:
+        ticket = await adm.admit(call(program), trio.current_time())
+        order.append(program)
+        await trio.sleep(1.0)
+        adm.done(ticket, StepUsage(5, 5), 200, trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        for program in ("new1", "new2", "old"):
+            nursery.start_soon(one, program)
+            await trio.sleep(0.1)
+        await trio.sleep(1.0)
+        adm.done(holder, StepUsage(5, 5), 200, trio.current_time())
+    # "old" queued last but already ran: it goes ahead of the newcomer behind the head.
+    assert order == ["new1", "old", "new2"]
+
+
+async def test_a_waiting_caller_that_leaves_is_out_of_the_queue_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm, _ = service({BIG: ModelLimits(concurrent=1)})
+    holder = await adm.admit(call("holder"), trio.current_time())
+    admitted: list[str] = []
+
+    leaver = trio.CancelScope()
+
+    async def wait(program: str, scope: trio.CancelScope) -> None:
+        with scope:
+            await adm.admit(call(program), trio.current_time())
+            admitted.append(program)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait, "leaver", leaver)
+        await trio.sleep(0.1)
+        nursery.start_soon(wait, "stayer", trio.CancelScope())
+        await trio.sleep(0.1)
+        assert [w.program_id for w in adm.queues[(BIG, "default")]] == ["leaver", "stayer"]
+        leaver.cancel()
+        await trio.sleep(0.1)
+        assert [w.program_id for w in adm.queues[(BIG, "default")]] == ["stayer"]
+        adm.done(holder, None, 200, trio.current_time())
+    assert admitted == ["stayer"]
+
+
+async def test_a_program_falls_back_past_its_wait_and_stays_there(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm, rx = service({BIG: ModelLimits(concurrent=1)})
+    await adm.admit(call("hog", "coder"), trio.current_time())
+    ticket = await adm.admit(call("p", "coder"), trio.current_time())
+    assert ticket.served == SMALL
+    assert trio.current_time() == pytest.approx(10.0)
+    fallback = [d for p, a, d in decisions(rx) if a == "fallback"]
+    assert fallback == [
+        {
+            "model": BIG,
+            "class": "default",
+            "instance": "i0",
+            "share": 1.0,
+            "limits": {"concurrent": 1.0},
+            "to": SMALL,
+            "alias": "coder",
+            "why": "wait budget spent",
+        }
+    ]
+    adm.done(ticket, StepUsage(5, 5), 200, trio.current_time())
+    # The big model has room again; the program keeps the model it was moved to.
+    adm.limiter.usage(BIG, "default").concurrent = 0
+    again = await adm.admit(call("p", "coder"), trio.current_time())
+    assert again.served == SMALL
+    newcomer = await adm.admit(call("q", "coder"), trio.current_time())
+    assert newcomer.served == BIG
+
+
+async def test_a_program_falls_back_when_its_backends_are_down(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm, rx = service({})
+    node = adm.pool.get("http://gpu0:8000")
+    assert node is not None
+    node.health.healthy = False
+    ticket = await adm.admit(call("p", "coder"), trio.current_time())
+    assert ticket.served == SMALL
+    assert [d["why"] for _, a, d in decisions(rx) if a == "fallback"] == ["backends down"]
+
+
+async def test_settling_refunds_and_learns_the_completion_length(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm, rx = service({BIG: ModelLimits(tpm=100_000)})
+    ticket = await adm.admit(call("p", max_tokens=1000), trio.current_time())
+    assert isinstance(ticket, Ticket)
+    assert ticket.reservation is not None
+    reserved = ticket.reservation.tokens
+    adm.done(ticket, StepUsage(prompt_tokens=20, completion_tokens=30), 200, trio.current_time())
+    adm.done(ticket, StepUsage(prompt_tokens=20, completion_tokens=30), 200, trio.current_time())
+    assert adm.limiter.usage(BIG, "default").used("tpm", trio.current_time()) == 50
+    refunds = [d for _, a, d in decisions(rx) if a == "refund"]
+    assert [r["tokens"] for r in refunds] == [reserved - 50]  # settled once
+    assert adm.completions[BIG] == pytest.approx(256 + 0.2 * (30 - 256))
+
+
+async def test_the_class_comes_from_the_body_or_the_header(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    classes = (ClassSpec("interactive", 0.5, flexible=False), ClassSpec("batch", 0.5))
+    adm, _ = service({BIG: ModelLimits(rpm=10)}, classes)
+    t1 = await adm.admit(call("a", extra_body={"program_class": "batch"}), trio.current_time())
+    assert isinstance(t1, Ticket)
+    assert t1.klass == "batch"
+    t2 = await adm.admit(call("b"), trio.current_time())
+    assert isinstance(t2, Ticket)
+    assert t2.klass == "interactive"
+    with pytest.raises(InvalidRequest, match="Unknown program class 'nope'; use one of"):
+        await adm.admit(call("c", program_class="nope"), trio.current_time())

@@ -1,0 +1,222 @@
+"""Three ``thunderproxy serve`` processes share one model's limits through a real redis-server:
+the global count holds across instances, a killed instance's share goes to the others, and
+Redis leaving and coming back fails no call that is not a 429."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.admission.conftest import RedisServer
+from tests.conftest import query, spawn_serving
+from thunderproxy.sim import SimConfig, open_simulator
+
+BIG = "qwen-32b"
+HEARTBEAT = 0.25
+
+
+def config(tmp_path: Path, rpm: int) -> Path:
+    path = tmp_path / "limits.toml"
+    path.write_text(
+        f"""
+[limits.models.{BIG}]
+rpm = {rpm}
+
+[limits.classes.default]
+ratio = 1.0
+max_wait = 0
+"""
+    )
+    return path
+
+
+async def serve(tmp_path: Path, name: str, cfg: Path, redis: str, backend: str) -> tuple[Any, str]:
+    argv = [sys.executable, "-m", "thunderproxy", "serve", "--config", str(cfg), "--port", "0"]
+    argv += ["--redis", redis, "--redis-heartbeat", str(HEARTBEAT), "--backends", backend]
+    argv += ["--db", str(tmp_path / f"{name}.db"), "--no-datasette", "--router", "default"]
+    argv += ["--metrics-interval", "60"]
+    return await spawn_serving(argv)
+
+
+def chat(program: str) -> dict[str, Any]:
+    return {
+        "model": BIG,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "program_id": program,
+    }
+
+
+@asynccontextmanager
+async def killed_at_exit() -> AsyncIterator[list[tuple[Any, str]]]:
+    """The serve processes a test starts: whatever happens, none outlives it."""
+    procs: list[tuple[Any, str]] = []
+    try:
+        yield procs
+    finally:
+        for process, _ in procs:
+            if process.returncode is None:
+                process.kill()
+        with trio.CancelScope(shield=True):
+            for process, _ in procs:
+                await process.wait()
+
+
+async def drain(process: Any, log: Path) -> None:
+    """Keep a child's log (it never blocks on a full pipe, and a failure can be read)."""
+    with log.open("ab") as out:
+        while chunk := await process.stderr.receive_some():
+            out.write(chunk)
+
+
+async def test_three_instances_share_one_limit(tmp_path: Path, redis_server: RedisServer) -> None:
+    # Every step below happens inside one wall-clock minute (the limiter's window).
+    into_minute = time.time() % 60
+    if into_minute > 30:
+        await trio.sleep(60.5 - into_minute)
+    started = time.time()
+    cfg = config(tmp_path, rpm=30)
+    async with (
+        open_simulator(SimConfig(served_model_name=BIG, time_scale=0.02)) as sim,
+        httpx.AsyncClient(timeout=30) as client,
+        killed_at_exit() as procs,
+        trio.open_nursery() as nursery,
+    ):
+        for i in range(3):
+            process, url = await serve(tmp_path, f"i{i}", cfg, redis_server.url, sim.url)
+            nursery.start_soon(drain, process, tmp_path / f"i{i}.log")
+            procs.append((process, url))
+        urls = [url for _, url in procs]
+
+        async def health(url: str) -> dict[str, Any]:
+            answer: dict[str, Any] = (await client.get(url + "/health")).json()["admission"]
+            return answer
+
+        async def shares_are(n: int, among: list[str]) -> bool:
+            for url in among:
+                if (await health(url))["redis"]["instances"] != n:
+                    return False
+            return True
+
+        with trio.fail_after(10):
+            while not await shares_are(3, urls):
+                await trio.sleep(HEARTBEAT)
+        # 30 a minute among three: ten each, locally, whatever the others do.
+        statuses: dict[str, list[int]] = {url: [] for url in urls}
+        for url in urls:
+            for k in range(12):
+                r = await client.post(url + "/v1/chat/completions", json=chat(f"{url}-{k}"))
+                statuses[url].append(r.status_code)
+        assert [s.count(200) for s in statuses.values()] == [10, 10, 10]
+        assert [s.count(429) for s in statuses.values()] == [2, 2, 2]
+
+        # One instance dies; the survivors see it gone and take its share...
+        victim, _ = procs.pop()
+        killed_at = time.monotonic()
+        victim.kill()
+        await victim.wait()
+        survivors = urls[:2]
+        with trio.fail_after(10):
+            while not await shares_are(2, survivors):
+                await trio.sleep(0.05)
+        redistributed_s = time.monotonic() - killed_at
+        # ...but the minute's 30 are spent globally: Redis refuses what the local shares allow.
+        answers = [
+            await client.post(url + "/v1/chat/completions", json=chat(f"late-{i}"))
+            for i, url in enumerate(survivors)
+        ]
+        assert [a.status_code for a in answers] == [429, 429], [a.text for a in answers]
+        refusal = await client.post(survivors[0] + "/v1/chat/completions", json=chat("why"))
+        assert "rpm: 30 used of 30" in refusal.json()["error"]["message"]
+        assert time.time() - started < 60, "the test left its minute; its counts mean nothing"
+
+        # Redis goes away: the instances keep serving on their local share, and say so.
+        redis_server.kill()
+        with trio.fail_after(10):
+            while (await health(survivors[0]))["redis"]["reachable"]:
+                await trio.sleep(0.05)
+        away = await client.post(survivors[0] + "/v1/chat/completions", json=chat("away"))
+        assert away.status_code in (200, 429)
+        redis_server.start()
+        with trio.fail_after(10):
+            while not (await health(survivors[0]))["redis"]["reachable"]:
+                await trio.sleep(0.05)
+        for process, _ in procs:
+            process.terminate()
+        with trio.fail_after(20):
+            for process, _ in procs:
+                await process.wait()
+        nursery.cancel_scope.cancel()
+    print(json.dumps({"redistributed_s": round(redistributed_s, 3)}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("instances", [1, 3])
+async def test_saturated_instances_stay_within_the_limit_and_use_it(
+    tmp_path: Path, redis_server: RedisServer, instances: int
+) -> None:
+    """A load generator offers far more than rpm = 300 through every instance for a little over
+    a minute; in the one wall-clock minute it covers whole, the calls admitted over all
+    instances are at most 2% above the limit and at least 90% of it."""
+    cfg = config(tmp_path, rpm=300)
+    # Start the instances some seconds before a minute begins, so that minute is covered whole.
+    await trio.sleep((48 - time.time() % 60) % 60)
+    async with (
+        open_simulator(SimConfig(served_model_name=BIG, time_scale=0.02)) as sim,
+        httpx.AsyncClient(timeout=30) as client,
+        killed_at_exit() as procs,
+        trio.open_nursery() as nursery,
+    ):
+        for i in range(instances):
+            process, url = await serve(tmp_path, f"i{i}", cfg, redis_server.url, sim.url)
+            nursery.start_soon(drain, process, tmp_path / f"i{i}.log")
+            procs.append((process, url))
+        failures: list[int] = []
+        # Until just past the end of the first minute that starts after the load does.
+        stop_at = trio.current_time() + (math.ceil(time.time() / 60) * 60 + 62 - time.time())
+
+        async def worker(url: str, n: int) -> None:
+            k = 0
+            while trio.current_time() < stop_at:
+                r = await client.post(url + "/v1/chat/completions", json=chat(f"{url}-{n}-{k}"))
+                if r.status_code not in (200, 429):
+                    failures.append(r.status_code)
+                k += 1
+                await trio.sleep(0.05)  # the generator's pace: ~20 attempts/s per worker
+
+        async with trio.open_nursery() as load:
+            for _, url in procs:
+                for n in range(4):
+                    load.start_soon(worker, url, n)
+        for process, _ in procs:
+            process.terminate()
+        with trio.fail_after(30):
+            for process, _ in procs:
+                await process.wait()
+        nursery.cancel_scope.cancel()
+    assert failures == []
+    per_minute: dict[int, int] = {}
+    for i in range(instances):
+        for row in query(
+            tmp_path / f"i{i}.db",
+            "select cast(at / 60 as integer) as m, count(*) as n from decisions "
+            "where action = 'admit' and rule like 'admission.%' group by m",
+        ):
+            per_minute[row["m"]] = per_minute.get(row["m"], 0) + row["n"]
+    whole = sorted(per_minute)[1:-1]  # the first and last minutes are partly covered
+    assert whole, per_minute
+    for minute in whole:
+        admitted = per_minute[minute]
+        print(json.dumps({"instances": instances, "minute": minute, "admitted": admitted}))
+        assert admitted <= 300 * 1.02
+        assert admitted >= 300 * 0.9

@@ -1,0 +1,242 @@
+"""The limiter, pure: fixed windows per model and program class, reservations made at
+admission and settled with the reported usage at completion, and the class shares.
+
+Nothing here reads a clock or does I/O: every method takes ``now``. Windows are fixed and
+aligned on ``now`` (minute ``floor(now / 60)``, day ``floor(now / 86400)``), so instances that
+pass the same clock agree on them; a limit therefore holds in every window, and a burst at a
+boundary can use two windows' worth across it (the price of O(1) counters that one Redis
+round trip can update).
+
+Capacity: a model's limit times this instance's ``share`` (1 alone; 1/n of n live instances),
+then each class's ``ratio`` of that. A fixed class keeps exactly its part. A flexible class may
+also use what other flexible classes leave unused, except a class that has callers waiting:
+a lender with demand takes its part back at once (what was lent inside the current window stays
+spent until the window closes; concurrency comes back as calls end).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .spec import ClassSpec, LimitsSpec, ModelLimits
+
+MINUTE = 60.0
+DAY = 86_400.0
+
+#: Dimension -> (window size, counts tokens). ``concurrent`` has no window.
+WINDOWED: Mapping[str, tuple[float, bool]] = {
+    "rpm": (MINUTE, False),
+    "tpm": (MINUTE, True),
+    "rpd": (DAY, False),
+    "tpd": (DAY, True),
+}
+DIMENSIONS = (*WINDOWED, "concurrent")
+
+
+def window_index(now: float, size: float) -> int:
+    return math.floor(now / size)
+
+
+def window_end(now: float, size: float) -> float:
+    return (window_index(now, size) + 1) * size
+
+
+@dataclass
+class Counter:
+    """Requests and tokens counted in one fixed window; a new window starts from zero."""
+
+    size: float
+    index: int = -1
+    requests: int = 0
+    tokens: int = 0
+
+    def at(self, now: float) -> Counter:
+        index = window_index(now, self.size)
+        if index != self.index:
+            self.index, self.requests, self.tokens = index, 0, 0
+        return self
+
+
+@dataclass
+class ClassUsage:
+    """One class's use of one model on this instance."""
+
+    minute: Counter = field(default_factory=lambda: Counter(MINUTE))
+    day: Counter = field(default_factory=lambda: Counter(DAY))
+    concurrent: int = 0
+
+    def used(self, dimension: str, now: float) -> int:
+        if dimension == "concurrent":
+            return self.concurrent
+        size, tokens = WINDOWED[dimension]
+        counter = (self.minute if size == MINUTE else self.day).at(now)
+        return counter.tokens if tokens else counter.requests
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a call fits now and, when not, which limit stops it and when it may fit."""
+
+    admitted: bool
+    dimension: str | None = None
+    #: The capacity the call was measured against (the model's, or its class's with loans).
+    limit: float | None = None
+    used: int | None = None
+    need: int = 0
+    #: When the binding window closes (None: when a running call ends).
+    retry_at: float | None = None
+    #: The call can never fit: it alone needs more than the whole capacity.
+    never: bool = False
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What an admitted call holds: its model, class, tokens and the windows it counted in."""
+
+    model: str
+    klass: str
+    tokens: int
+    minute: int
+    day: int
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """How a finished call's reservation was settled: tokens given back, tokens added."""
+
+    refund: int = 0
+    overage: int = 0
+    #: True when the call ended in a later minute than it started: no refund possible.
+    late: bool = False
+
+
+class Limiter:
+    """Counters for every limited model and class of one instance."""
+
+    def __init__(self, spec: LimitsSpec) -> None:
+        self.spec = spec
+        #: This instance's part of every model's capacity (1/n of n live instances).
+        self.share = 1.0
+        self._usage: dict[tuple[str, str], ClassUsage] = {}
+
+    def set_share(self, share: float) -> None:
+        self.share = share
+
+    def limits(self, model: str) -> ModelLimits | None:
+        return self.spec.models.get(model)
+
+    def usage(self, model: str, klass: str) -> ClassUsage:
+        key = (model, klass)
+        if key not in self._usage:
+            self._usage[key] = ClassUsage()
+        return self._usage[key]
+
+    def _capacity(self, limit: int) -> float:
+        return limit * self.share
+
+    def check(
+        self, model: str, klass: ClassSpec, tokens: int, now: float, hungry: Iterable[str] = ()
+    ) -> Verdict:
+        """Whether a call of ``klass`` needing ``tokens`` fits ``model`` now. ``hungry``: the
+        classes with callers waiting on this model (they lend nothing)."""
+        limits = self.limits(model)
+        if limits is None:
+            return Verdict(True)
+        hungry = frozenset(hungry)
+        for dimension in DIMENSIONS:
+            limit = getattr(limits, dimension)
+            if limit is None:
+                continue
+            need = tokens if WINDOWED.get(dimension, (0, False))[1] else 1
+            verdict = self._fits(model, klass, dimension, self._capacity(limit), need, now, hungry)
+            if not verdict.admitted:
+                return verdict
+        return Verdict(True)
+
+    def _fits(
+        self,
+        model: str,
+        klass: ClassSpec,
+        dimension: str,
+        capacity: float,
+        need: int,
+        now: float,
+        hungry: frozenset[str],
+    ) -> Verdict:
+        retry_at = window_end(now, WINDOWED[dimension][0]) if dimension in WINDOWED else None
+        used = {c.name: self.usage(model, c.name).used(dimension, now) for c in self.spec.classes}
+        total = sum(used.values())
+        part = capacity * klass.ratio
+        allowed = part
+        if klass.flexible:
+            allowed += sum(
+                max(0.0, capacity * c.ratio - used[c.name])
+                for c in self.spec.classes
+                if c.flexible and c.name != klass.name and c.name not in hungry
+            )
+        # The whole model's capacity bounds every class, loans included.
+        if total + need > capacity:
+            never = need > capacity
+            return Verdict(False, dimension, capacity, total, need, retry_at, never)
+        if used[klass.name] + need > allowed:
+            never = need > (capacity if klass.flexible else part)
+            return Verdict(False, dimension, allowed, used[klass.name], need, retry_at, never)
+        return Verdict(True, dimension, allowed, used[klass.name], need)
+
+    def reserve(self, model: str, klass: str, tokens: int, now: float) -> Reservation:
+        """Count an admitted call: one request and its estimated tokens, one running call."""
+        usage = self.usage(model, klass)
+        minute, day = usage.minute.at(now), usage.day.at(now)
+        minute.requests += 1
+        minute.tokens += tokens
+        day.requests += 1
+        day.tokens += tokens
+        usage.concurrent += 1
+        return Reservation(model, klass, tokens, minute.index, day.index)
+
+    def cancel(self, reservation: Reservation, now: float) -> None:
+        """Take back a reservation that was never used (the shared counters refused it)."""
+        usage = self.usage(reservation.model, reservation.klass)
+        usage.concurrent = max(0, usage.concurrent - 1)
+        for counter, index in ((usage.minute, reservation.minute), (usage.day, reservation.day)):
+            if counter.at(now).index == index:
+                counter.requests = max(0, counter.requests - 1)
+                counter.tokens = max(0, counter.tokens - reservation.tokens)
+
+    def settle(self, reservation: Reservation, tokens: int | None, now: float) -> Settlement:
+        """The call ended: it no longer runs, and its reported ``tokens`` (prompt + completion)
+        replace the estimate. A window already closed keeps what it counted (no refund); an
+        overage is always counted, in the window that is open now. Without a report (a failed
+        call) the reservation stands: it may have used what it reserved."""
+        usage = self.usage(reservation.model, reservation.klass)
+        usage.concurrent = max(0, usage.concurrent - 1)
+        if tokens is None:
+            return Settlement()
+        delta = tokens - reservation.tokens
+        late = False
+        for counter, index in ((usage.minute, reservation.minute), (usage.day, reservation.day)):
+            same = counter.at(now).index == index
+            if same or delta > 0:
+                counter.tokens = max(0, counter.tokens + delta)
+            if counter is usage.minute:
+                late = not same
+        if delta > 0:
+            return Settlement(overage=delta, late=late)
+        return Settlement(refund=0 if late else -delta, late=late)
+
+
+__all__ = [
+    "DAY",
+    "DIMENSIONS",
+    "MINUTE",
+    "ClassUsage",
+    "Counter",
+    "Limiter",
+    "Reservation",
+    "Settlement",
+    "Verdict",
+    "window_end",
+    "window_index",
+]
