@@ -57,6 +57,8 @@ class Tap(Protocol):
 
     usage: StepUsage | None
     error: str | None
+    #: The stream has carried generated output (not only a role chunk or a start event).
+    content_started: bool
 
     def feed(self, chunk: bytes) -> bytes: ...
 
@@ -105,6 +107,9 @@ class Call:
     #: The client did not ask for the usage chunk the proxy requested: hide it.
     hide_usage: bool = False
     method: str = "POST"
+    #: How the program was recognised (programs/recognition.py's Source), recorded when this
+    #: call creates its program.
+    source: str | None = None
 
 
 @dataclass
@@ -118,6 +123,8 @@ class Exchange:
     first_token_at: float | None = None
     usage: StepUsage = field(default_factory=StepUsage)
     done: bool = False
+    #: The status the call was recorded with, once it ended (a 200 may still fail mid-stream).
+    outcome: int | None = None
 
     @property
     def status_code(self) -> int:
@@ -144,6 +151,7 @@ class Exchange:
         mid-way ends the stream with the wire's error event (the 200 is already out)."""
         tap = self.call.wire.tap(self.call)
         chunks = self.response.aiter_raw()
+        first_byte_at: float | None = None
         try:
             while True:
                 try:
@@ -159,9 +167,13 @@ class Exchange:
                     self.finish(describe(error)[0], error=error.message)
                     yield self.call.wire.error_event(error)
                     return
-                if self.first_token_at is None:
-                    self.first_token_at = trio.current_time()
+                if first_byte_at is None:
+                    first_byte_at = trio.current_time()
                 out = tap.feed(chunk)
+                # The first token is the first event with generated output: a Responses stream
+                # sends response.created, a Messages stream message_start, before any prefill.
+                if self.first_token_at is None and tap.content_started:
+                    self.first_token_at = trio.current_time()
                 if out:
                     yield out
         finally:
@@ -171,6 +183,9 @@ class Exchange:
                 with trio.CancelScope(shield=True):
                     await close()
         tail = tap.flush()
+        if self.first_token_at is None:
+            # An answer with no output at all (or one the tap could not read): its first byte.
+            self.first_token_at = first_byte_at
         self._take_usage(tap)
         self.finish(self.status_code, error=tap.error)
         if tail:
@@ -210,6 +225,7 @@ class Exchange:
         if self.done:
             return
         self.done = True
+        self.outcome = status
         self.gateway.finish(self, status, error)
 
     async def aclose(self) -> None:
@@ -271,6 +287,7 @@ class Gateway:
                 route,
                 arrived_at=call.arrived_at,
                 context_chars=call.context_chars,
+                source=call.source,
             )
         except ThunderproxyError as exc:
             self._reject(call, exc)

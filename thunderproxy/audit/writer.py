@@ -13,7 +13,7 @@ import os
 import sqlite3
 import tempfile
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +51,14 @@ class AuditLog:
         self.dropped = 0
         self.written = 0
         self.batches = 0
+        #: Called with every record, kept or dropped: the proxy's counters learn here, in the
+        #: one place every step and transition passes (statistics.Counters).
+        self.observers: list[Callable[[AuditRecord], None]] = []
 
     def record(self, record: AuditRecord) -> None:
         """Queue one record; never blocks, never raises (a full or closed queue drops it)."""
+        for observe in self.observers:
+            observe(record)
         try:
             self._send.send_nowait(record)
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):

@@ -33,16 +33,29 @@ from ..errors import (
 from ..gateway import Gateway
 from ..programs import Program, ProgramStatus
 from ..programs.profile import Profiles
+from ..programs.recognition import ProgramRecognizer
+from ..protocols import Protocol
 from ..scheduling import Scheduler
 from ..snapshot import Statistics
+from ..statistics import Counters
+from . import prometheus
 from .auth import require_admin
+from .edges import Edges, error_shape
 from .errors import error_response
 from .proxy import CLEANUP_KEY, RECORDED_KEY, Proxy, parse_json_object
 from .readiness import Readiness
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 #: The routes that need a backend, refused while the runtime waits for its backends.
-BACKEND_ENDPOINTS = ("chat_completions", "completions", "list_models", "passthrough")
+BACKEND_ENDPOINTS = (
+    "chat_completions",
+    "completions",
+    "messages",
+    "count_tokens",
+    "responses",
+    "list_models",
+    "passthrough",
+)
 
 
 @dataclass
@@ -55,6 +68,10 @@ class Services:
     clock: WallClock
     #: Ready unless the runtime is still waiting for its backends.
     readiness: Readiness = field(default_factory=Readiness)
+    #: Which program each call without a program id belongs to (one per proxy: it learns).
+    recognizer: ProgramRecognizer = field(default_factory=ProgramRecognizer)
+    #: Steps, pauses, resumes and latency histograms, fed by the audit log (Prometheus).
+    counters: Counters = field(default_factory=Counters)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -105,6 +122,7 @@ def program_view(program: Program, services: Services, *, with_profile: bool) ->
         "acting_since": None if acting_since is None else services.clock.unix(acting_since),
         "in_flight": program.in_flight,
         "marked_for_pause": program.marked_for_pause,
+        "source": program.source,
     }
     if with_profile:
         profile = services.profiles.get(program.program_id)
@@ -136,6 +154,7 @@ def create_app(services: Services) -> QuartTrio:
     registry = scheduler.registry
     audit = services.gateway.audit
     proxy = Proxy(gateway=services.gateway, read_timeout=settings.read_timeout)
+    edges = Edges(gateway=services.gateway, recognizer=services.recognizer)
 
     def reject(status: int, error_type: str, message: str, program_id: str | None) -> None:
         audit.record(
@@ -155,7 +174,7 @@ def create_app(services: Services) -> QuartTrio:
         if not request.scope.get(RECORDED_KEY):  # the gateway recorded the calls it was given
             status, error_type = describe(error)
             reject(status, error_type, error.message, error.program_id)
-        return error_response(error)
+        return error_response(error, error_shape(request.path))
 
     @app.errorhandler(HTTPException)
     async def handle_http_error(error: HTTPException) -> Response:
@@ -200,11 +219,23 @@ def create_app(services: Services) -> QuartTrio:
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await proxy.completion("/v1/chat/completions")
+        return await edges.call(Protocol.CHAT, "/v1/chat/completions")
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await proxy.completion("/v1/completions")
+        return await edges.call(Protocol.COMPLETIONS, "/v1/completions")
+
+    @app.post("/v1/messages")
+    async def messages() -> Response:
+        return await edges.call(Protocol.MESSAGES, "/v1/messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        return await edges.count_tokens("/v1/messages/count_tokens")
+
+    @app.post("/v1/responses")
+    async def responses() -> Response:
+        return await edges.call(Protocol.RESPONSES, "/v1/responses")
 
     @app.get("/programs")
     async def list_programs() -> Response:
@@ -288,8 +319,15 @@ def create_app(services: Services) -> QuartTrio:
             response.status_code = 503
         return response
 
+    @app.get(prometheus.PROMETHEUS_PATH)
+    async def metrics_prometheus() -> Response:
+        view = services.counters.view(services.statistics())
+        return Response(prometheus.render(view), content_type=prometheus.CONTENT_TYPE)
+
     @app.get("/metrics")
     async def metrics() -> Response:
+        if prometheus.wants_prometheus(request.headers.get("accept"), request.path):
+            return await metrics_prometheus()
         stats = services.statistics()
         backends: dict[str, Any] = {}
         for b in stats.backends:

@@ -19,7 +19,10 @@ SELECT t.program_id, t.to_status, t.backend, t.at,
        (SELECT COALESCE(s.prompt_tokens, 0) + COALESCE(s.completion_tokens, 0)
           FROM steps s
          WHERE s.program_id = t.program_id AND s.prompt_tokens IS NOT NULL
-         ORDER BY s.id DESC LIMIT 1) AS tokens
+         ORDER BY s.id DESC LIMIT 1) AS tokens,
+       (SELECT f.source FROM transitions f
+         WHERE f.program_id = t.program_id AND f.source IS NOT NULL
+         ORDER BY f.id LIMIT 1) AS source
   FROM transitions t
   JOIN (SELECT program_id, MAX(id) AS id FROM transitions GROUP BY program_id) last
     ON last.id = t.id
@@ -37,6 +40,7 @@ class RestoredProgram:
     tokens: int
     last_at_unix: float
     created_at_unix: float
+    source: str | None = None
 
 
 def load(path: str) -> list[RestoredProgram]:
@@ -47,7 +51,7 @@ def load(path: str) -> list[RestoredProgram]:
     finally:
         conn.close()
     restored = []
-    for program_id, status, backend, at, steps, created_at, tokens in rows:
+    for program_id, status, backend, at, steps, created_at, tokens, source in rows:
         previous = ProgramStatus(status)
         restored.append(
             RestoredProgram(
@@ -61,6 +65,7 @@ def load(path: str) -> list[RestoredProgram]:
                 tokens=tokens or 0,
                 last_at_unix=at,
                 created_at_unix=created_at,
+                source=source,
             )
         )
     return restored
@@ -77,6 +82,7 @@ def rebuild(item: RestoredProgram, *, now: float, wall_now: float) -> Program:
         step_count=item.step_count,
         total_tokens=item.tokens,
         last_activity=last,
+        source=item.source,
     )
     if item.status is ProgramStatus.PAUSED:
         program.paused_since = last
