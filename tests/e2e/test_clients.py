@@ -14,7 +14,6 @@ import importlib
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -73,26 +72,6 @@ async def proxy_on_sim(tmp_path: Path, **overrides: Any) -> AsyncIterator[Setup]
 
 async def in_thread(fn: Callable[[], T]) -> T:
     return await trio.to_thread.run_sync(fn)
-
-
-def on_plain_thread(fn: Callable[[], T]) -> T:
-    """``fn()`` on a thread trio never saw: trio's worker threads tell sniffio they run trio,
-    so anyio (under LiteLLM's asyncio client) would call trio from asyncio."""
-    result: list[T] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn())
-        except BaseException as exc:  # handed back to the caller below
-            errors.append(exc)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]
 
 
 def steps(db: Path) -> list[dict[str, Any]]:
@@ -235,6 +214,9 @@ def litellm_module(cache: Path) -> ModuleType:
     """LiteLLM, installed with pip into a folder of its own when the environment lacks it
     (it is large, so it is not a test dependency). Skips, saying why, if it cannot install."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
+    # A streamed answer's tokens are counted with the model's tokenizer, which LiteLLM would try
+    # to download for a llama name; offline it falls back at once instead of timing out.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         importlib.import_module("mcp")
         return importlib.import_module("litellm")
@@ -261,7 +243,8 @@ async def test_litellm_completion_and_acompletion(tmp_path: Path) -> None:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "thunderproxy-tests"
     cache.mkdir(parents=True, exist_ok=True)
     litellm = await in_thread(lambda: litellm_module(cache))
-    async with proxy_on_sim(tmp_path) as setup:
+    # LiteLLM keeps its connections open: the proxy need not wait long for them at the end.
+    async with proxy_on_sim(tmp_path, shutdown_grace=1.0) as setup:
         common: dict[str, Any] = {
             # "openai/" makes LiteLLM speak the OpenAI API to api_base, as to any vLLM.
             "model": "openai/" + MODEL,
@@ -291,7 +274,7 @@ async def test_litellm_completion_and_acompletion(tmp_path: Path) -> None:
             with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
                 return runner.run(streamed())
 
-        chunks = await in_thread(lambda: on_plain_thread(run_streamed))
+        chunks = await in_thread(run_streamed)
         assert chunks
     rows = steps(setup.db)
     assert_audited(rows, "/v1/chat/completions", calls=2)
