@@ -432,3 +432,40 @@ async def test_responses_chained_by_previous_response_id(tmp_path: Path) -> None
     assert len(programs) == len(TASKS), programs
     sources = query(setup.db, "SELECT source FROM transitions WHERE source IS NOT NULL")
     assert [r["source"] for r in sources] == ["new"] * len(TASKS)
+
+
+async def test_errors_keep_each_protocol_shape(tmp_path: Path) -> None:
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    db = tmp_path / "audit.db"
+    async with running_proxy(db, backends=dead, metrics_interval=60, ready_timeout=0.5) as proxy:
+        messages = [{"role": "user", "content": "hi"}]
+        with anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0) as client:
+
+            def invalid() -> Any:
+                return client.messages.create(model=MODEL, max_tokens=0, messages=messages)  # type: ignore[arg-type]
+
+            def no_backend() -> Any:
+                return client.messages.create(model=MODEL, max_tokens=8, messages=messages)  # type: ignore[arg-type]
+
+            with pytest.raises(anthropic.BadRequestError) as bad:
+                await in_thread(invalid)
+            assert bad.value.body["type"] == "error"  # type: ignore[index]
+            assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+            assert "max_tokens" in bad.value.message
+            with pytest.raises(anthropic.InternalServerError) as down:
+                await in_thread(no_backend)
+            assert down.value.status_code == 503
+            assert down.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+            assert dead in down.value.message
+        with openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0) as oai:
+            with pytest.raises(openai.InternalServerError) as openai_down:
+                await in_thread(lambda: oai.responses.create(model=MODEL, input="hi"))
+            assert openai_down.value.body["type"] == "service_unavailable"  # type: ignore[index]
+    refused = query(db, "SELECT path, status FROM rejections ORDER BY id")
+    assert refused == [
+        {"path": "/v1/messages", "status": 400},
+        {"path": "/v1/messages", "status": 503},
+        {"path": "/v1/responses", "status": 503},
+    ]
