@@ -254,6 +254,7 @@ def create_app(services: Services) -> QuartTrio:
         if not isinstance(program_id, str) or not program_id:
             raise InvalidRequest("program_id must be a non-empty string.", param="program_id")
         scheduler.release(program_id)
+        services.recognizer.forget(program_id)  # a later call continuing it starts anew
         return jsonify({"program_id": program_id, "released": True})
 
     @app.get("/v1/models")

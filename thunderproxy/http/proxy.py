@@ -1,7 +1,8 @@
-"""The OpenAI edge: completions become gateway calls; any other path goes straight through.
+"""What the edges share (header forwarding, body parsing, the end-of-exchange hook), and the
+passthrough: any path that is not an LLM call goes straight to a backend.
 
-Each completion is handed to the gateway, which owns it from then on: whatever happens (normal
-end, backend error, client gone, proxy stopping) it is closed and recorded exactly once.
+The LLM calls themselves are http/edges.py's: each is handed to the gateway, which owns it from
+then on.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from werkzeug.datastructures import Headers
 
 from ..backends import UpstreamRequest, UpstreamResponse
 from ..errors import BackendError, InvalidRequest
-from ..gateway import Call, Gateway
-from .sse import OPENAI
+from ..gateway import Gateway
 
 DEFAULT_PROGRAM = "default"
 MAX_PROGRAM_ID_CHARS = 256
@@ -154,47 +154,6 @@ class Proxy:
         self.gateway = gateway
         self.pool = gateway.pool
         self.read_timeout = read_timeout
-
-    async def completion(self, endpoint: str) -> Response:
-        """POST /v1/chat/completions and /v1/completions: one step of one program."""
-        arrived_at = trio.current_time()
-        body = parse_json_object(await request.get_data(False, False, False))
-        program_id = extract_program_id(body, request.headers.get("x-program-id"))
-        validate_completion_body(body, endpoint)
-        stream = body.get("stream") is True
-        options = body.get("stream_options") or {}
-        hide_usage = stream and options.get("include_usage") is not True
-        if hide_usage:
-            body["stream_options"] = {**options, "include_usage": True}
-        model = body.get("model") if isinstance(body.get("model"), str) else None
-        headers = forward_headers(
-            request.headers.items(), drop=frozenset({"x-program-id", "accept-encoding"})
-        )
-        headers.append(("accept-encoding", "identity"))
-        call = Call(
-            program_id=program_id,
-            endpoint=endpoint,
-            body=body,
-            wire=OPENAI,
-            arrived_at=arrived_at,
-            model=model,
-            stream=stream,
-            headers=headers,
-            context_chars=context_chars(body),
-            hide_usage=hide_usage,
-        )
-        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
-        scope[RECORDED_KEY] = True
-        exchange = await self.gateway.open(call)
-        on_request_end(exchange.aclose)
-        if exchange.is_event_stream:
-            return Response(
-                exchange.stream(), status=200, headers=response_headers(exchange.headers)
-            )
-        content = await exchange.read()
-        return Response(
-            content, status=exchange.status_code, headers=response_headers(exchange.headers)
-        )
 
     async def passthrough(self, path: str) -> Response:
         """Any other path: relayed unchanged to the program's backend or the first healthy one.
