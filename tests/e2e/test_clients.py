@@ -27,6 +27,8 @@ import openai
 import pytest
 import trio
 
+from thunderproxy.config import load_settings
+from thunderproxy.errors import ConfigError
 from thunderproxy.runtime import RunningProxy
 from thunderproxy.sim import SimConfig, Simulator, open_simulator
 
@@ -469,3 +471,30 @@ async def test_errors_keep_each_protocol_shape(tmp_path: Path) -> None:
         {"path": "/v1/messages", "status": 503},
         {"path": "/v1/responses", "status": 503},
     ]
+
+
+async def test_recognition_sources_can_be_switched_off(tmp_path: Path) -> None:
+    # Only explicit ids: unnamed calls share the one "default" program, as before recognition.
+    async with (
+        proxy_on_sim(tmp_path, recognition="explicit") as setup,
+        httpx.AsyncClient(base_url=setup.proxy.url, timeout=10) as client,
+    ):
+        for task in TASKS:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": task}]}
+            answer = await client.post(
+                "/v1/chat/completions", json=body, headers={"X-Session-ID": "ignored"}
+            )
+            assert answer.status_code == 200
+        named = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        answer = await client.post("/v1/chat/completions", json={**named, "program_id": "mine"})
+        assert answer.status_code == 200
+        programs = (await client.get("/programs")).json()
+    assert {pid: p["source"] for pid, p in programs.items()} == {
+        "default": "default",
+        "mine": "explicit",
+    }
+
+
+def test_an_unknown_recognition_source_is_refused() -> None:
+    with pytest.raises(ConfigError, match="unknown sources sessions; known: explicit"):
+        load_settings({"recognition": "explicit,sessions"})

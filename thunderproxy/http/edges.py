@@ -26,7 +26,12 @@ from .. import protocols
 from ..backends import BackendNode, UpstreamRequest
 from ..errors import BackendError, NoBackendAvailable
 from ..gateway import Call, Exchange, Gateway
-from ..programs.recognition import ProgramRecognizer, Recognised, without_program_id
+from ..programs.recognition import (
+    ProgramRecognizer,
+    Recognised,
+    explicit_program_id,
+    without_program_id,
+)
 from ..protocols import Protocol, ProtocolWire
 from ..protocols.anthropic import prepare_count_tokens
 from .proxy import (
@@ -65,7 +70,10 @@ class Edges:
         """One step of one program, in ``protocol``'s terms."""
         arrived_at = trio.current_time()
         body = parse_json_object(await request.get_data(False, False, False))
-        # Checked first, so a malformed body is refused before it can name or start a program.
+        if self.recognizer.config.explicit:
+            # A malformed program id is named as such, even in a body that has other faults.
+            explicit_program_id(body, request.headers)
+        # Then the body, before recognition reads its prompt: a malformed one starts nothing.
         prepared = protocols.prepare(protocol, without_program_id(body))
         recognised = self.recognizer.recognise(protocol, body, request.headers, arrived_at)
         wire = ProtocolWire(protocol, collect_answer=recognised.by_prompt)
