@@ -74,6 +74,35 @@ def _positive(value: Any) -> str | None:
     return None if value > 0 else "must be > 0 seconds"
 
 
+#: The recognition sources a setting may name, in the order they are tried.
+RECOGNITION_SOURCES = (
+    "explicit",
+    "session_header",
+    "claude_code",
+    "codex",
+    "litellm",
+    "previous_response",
+    "prompt_cache_key",
+    "user",
+    "prefix",
+)
+RECOGNITION_DEFAULT = tuple(s for s in RECOGNITION_SOURCES if s != "user")
+
+
+def recognition_sources(value: str) -> frozenset[str]:
+    """The sources named in the ``recognition`` setting (empty: every source off)."""
+    return frozenset(part.strip() for part in value.split(",") if part.strip())
+
+
+def _recognition_sources(value: Any) -> str | None:
+    unknown = sorted(recognition_sources(str(value)) - set(RECOGNITION_SOURCES))
+    if unknown:
+        return (
+            f"names unknown sources {', '.join(unknown)}; known: {', '.join(RECOGNITION_SOURCES)}"
+        )
+    return None
+
+
 def _tcp_port(value: Any) -> str | None:
     return None if 0 <= value <= 65535 else "is not a TCP port: use 1-65535, or 0 for any free port"
 
@@ -279,6 +308,14 @@ class Settings:
     )
     profile: bool = setting(
         True, "Serve per-program timing profiles at /profiles and in /programs."
+    )
+    recognition: str = setting(
+        ",".join(RECOGNITION_DEFAULT),
+        "Where the program of a call is read from, comma-separated, tried in this order: "
+        + ", ".join(RECOGNITION_SOURCES)
+        + " (docs/PROTOCOLS.md). Leave one out to switch it off; 'user' is off by default "
+        "because it names an end user, not a task.",
+        check=_recognition_sources,
     )
     metrics: bool = setting(True, "Poll each backend's /metrics for KV capacity and usage.")
     metrics_interval: float = setting(

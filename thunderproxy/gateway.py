@@ -19,7 +19,7 @@ the gateway, nothing else records it.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -66,6 +66,9 @@ class Tap(Protocol):
     def overflowed(self) -> bool:
         """One event grew past the tap's bound: the stream is a backend fault."""
         ...
+
+    #: The stream has carried generated output (not only a role chunk or a start event).
+    content_started: bool
 
     def feed(self, chunk: bytes) -> bytes: ...
 
@@ -132,6 +135,9 @@ class Call:
     #: The client did not ask for the usage chunk the proxy requested: hide it.
     hide_usage: bool = False
     method: str = "POST"
+    #: How the program was recognised (programs/recognition.py's Source), recorded when this
+    #: call creates its program.
+    source: str | None = None
 
 
 @dataclass
@@ -146,6 +152,8 @@ class Exchange:
     first_token_at: float | None = None
     usage: StepUsage = field(default_factory=StepUsage)
     done: bool = False
+    #: The status the call was recorded with, once it ended (a 200 may still fail mid-stream).
+    outcome: int | None = None
 
     @property
     def status_code(self) -> int:
@@ -167,11 +175,12 @@ class Exchange:
             and "text/event-stream" in header(self.response, "content-type")
         )
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncGenerator[bytes, None]:
         """The answer's body as it arrives, usage read on the way. A backend that fails
         mid-way ends the stream with the wire's error event (the 200 is already out)."""
         tap = self.call.wire.tap(self.call)
         chunks = self.response.aiter_raw()
+        first_byte_at: float | None = None
         try:
             while True:
                 try:
@@ -180,6 +189,8 @@ class Exchange:
                 except StopAsyncIteration:
                     break
                 except (BackendError, trio.TooSlowError) as exc:
+                    if tap.complete:
+                        return  # the answer was whole: a connection lost after it is no fault
                     error = (
                         exc if isinstance(exc, BackendError) else self.gateway.timeout(self.node)
                     )
@@ -187,10 +198,14 @@ class Exchange:
                     self.finish(describe(error)[0], error=error.message)
                     yield self.call.wire.error_event(error)
                     return
-                if self.first_token_at is None:
-                    self.first_token_at = trio.current_time()
+                if first_byte_at is None:
+                    first_byte_at = trio.current_time()
                 out = tap.feed(chunk)
-                if tap.overflowed:
+                # The first token is the first event with generated output: a Responses stream
+                # sends response.created, a Messages stream message_start, before any prefill.
+                if self.first_token_at is None and tap.content_started:
+                    self.first_token_at = trio.current_time()
+                if tap.overflowed and not tap.complete:
                     # An event without end, past the bound: the backend is broken, and a relay
                     # that kept buffering it would be too. End the stream cleanly, in-band.
                     fault = BackendProtocolError(
@@ -204,6 +219,8 @@ class Exchange:
                 if tap.complete and not self.done:
                     # The answer is whole: a client that hangs up on the end event before the
                     # connection closes has still been served all of it.
+                    if self.first_token_at is None:
+                        self.first_token_at = first_byte_at
                     self._take_usage(tap)
                     self.finish(self.status_code, error=tap.error)
                 if out:
@@ -215,6 +232,9 @@ class Exchange:
                 with trio.CancelScope(shield=True):
                     await close()
         tail = tap.flush()
+        if self.first_token_at is None:
+            # An answer with no output at all (or one the tap could not read): its first byte.
+            self.first_token_at = first_byte_at
         self._take_usage(tap)
         self.finish(self.status_code, error=tap.error)
         if tail:
@@ -255,6 +275,7 @@ class Exchange:
         if self.done:
             return
         self.done = True
+        self.outcome = status
         self.gateway.finish(self, status, error)
 
     async def aclose(self) -> None:
@@ -320,6 +341,7 @@ class Gateway:
                 route,
                 arrived_at=call.arrived_at,
                 context_chars=call.context_chars,
+                source=call.source,
             )
         except ThunderproxyError as exc:
             self._reject(call, exc)

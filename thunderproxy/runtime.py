@@ -36,7 +36,7 @@ from .audit.writer import check_database_path
 from .backends import BackendPool, open_backend_pool
 from .backends.poller import serve_metrics_poller, wait_until_ready
 from .clock import WallClock
-from .config import Settings
+from .config import RECOGNITION_SOURCES, Settings, recognition_sources
 from .errors import ConfigError
 from .explore import mount_datasette
 from .gateway import Gateway
@@ -47,8 +47,10 @@ from .jobs import open_council, serve_council
 from .jobs.gateway_client import GatewayChatClient
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
+from .programs.recognition import ProgramRecognizer, RecognitionConfig
 from .scheduling import Scheduler, policy_named
 from .scheduling.scheduler import serve_resume_monitor
+from .statistics import Counters
 from .worker import (
     WorkerMiddleware,
     WorkerState,
@@ -74,6 +76,12 @@ class RunningProxy:
 
 #: Hundreds of agents may connect at once; a backlog of 100 (hypercorn's) resets the rest.
 BACKLOG = 4096
+
+
+def recognition_config(settings: Settings) -> RecognitionConfig:
+    """The recognizer's switches from the ``recognition`` setting: the sources it names are on."""
+    on = recognition_sources(settings.recognition)
+    return RecognitionConfig(**{name: name in on for name in RECOGNITION_SOURCES})
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -307,12 +315,16 @@ async def run(
                     "For local development only."
                 )
             readiness = Readiness(lambda: [b.url for b in pool if not b.healthy])
+            counters = Counters()
+            audit.observers.append(counters.observe)
             services = Services(
                 settings=settings,
                 gateway=gateway,
                 profiles=profiles,
                 clock=clock,
                 readiness=readiness,
+                recognizer=ProgramRecognizer(recognition_config(settings)),
+                counters=counters,
             )
             if handle_signals:
                 nursery.start_soon(_stop_on_signals, shutdown, force, background)

@@ -1,8 +1,8 @@
 """The proxy's own statistics: one frozen snapshot that every reader (JSON /metrics, Prometheus,
 /health, load reports) renders, and the histogram accumulator the core fills as steps finish.
 
-The core owns the counting; readers only ever see a ``ProxyStatistics``, so rendering never
-touches live state and needs no locks.
+The core owns the counting (``Counters``, fed every audit record); readers only ever see a
+``ProxyStatistics``, so rendering never touches live state and needs no locks.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
+
+from .audit.records import StepRecord, TransitionRecord
+from .programs import ProgramStatus
 
 if TYPE_CHECKING:
     from .snapshot import Statistics
@@ -180,3 +183,51 @@ def from_snapshot(
         audit_rows_dropped=snapshot.audit.dropped,
         histograms=histograms if histograms is not None else Histograms().snapshot(),
     )
+
+
+class Counters:
+    """What Prometheus counts, learnt in one place: every audit record passes through
+    ``observe`` (``AuditLog.observers``), so steps, pauses and resumes are counted exactly as
+    they are recorded, whichever part of the proxy recorded them."""
+
+    def __init__(self) -> None:
+        self.steps_by_status: dict[str, int] = {}
+        self.pauses = 0
+        self.resumes = 0
+        self.histograms = Histograms()
+
+    def observe(self, record: object) -> None:
+        if isinstance(record, StepRecord):
+            self._step(record)
+        elif isinstance(record, TransitionRecord):
+            moved = record.transition
+            if moved.to_status is ProgramStatus.PAUSED:
+                self.pauses += 1
+            elif moved.from_status is ProgramStatus.PAUSED and moved.to_status in (
+                ProgramStatus.REASONING,
+                ProgramStatus.ACTING,
+            ):
+                self.resumes += 1
+
+    def _step(self, step: StepRecord) -> None:
+        status = str(step.status)
+        self.steps_by_status[status] = self.steps_by_status.get(status, 0) + 1
+        if step.sent_at is None:
+            return  # never sent: it has no latencies, only its count
+        self.histograms.observe("queue_wait", step.queue_s)
+        first = step.first_token_at
+        if first is None or step.status >= 400:
+            return  # a failed call's timings measure the failure, not the model
+        self.histograms.observe("ttft", first - step.arrived_at)
+        self.histograms.observe("prefill", first - step.sent_at)
+        self.histograms.observe("decode", step.finished_at - first)
+
+    def view(self, snapshot: Statistics) -> ProxyStatistics:
+        """The Prometheus view of ``snapshot`` with these counters."""
+        return from_snapshot(
+            snapshot,
+            steps_by_status=self.steps_by_status,
+            pauses=self.pauses,
+            resumes=self.resumes,
+            histograms=self.histograms.snapshot(),
+        )

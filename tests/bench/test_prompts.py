@@ -3,6 +3,7 @@ makes of the messages an HTTP client sends, and only the system prompt is shared
 
 from __future__ import annotations
 
+from thunderproxy import protocols
 from thunderproxy.bench.prompts import (
     BlockText,
     Conversation,
@@ -10,7 +11,6 @@ from thunderproxy.bench.prompts import (
     system_prompt,
 )
 from thunderproxy.bench.workload import StepSpec
-from thunderproxy.http.proxy import context_chars
 from thunderproxy.sim.tokenizer import TextGenerator, Tokenizer
 
 
@@ -37,7 +37,8 @@ def test_an_append_only_conversation_matches_the_simulator_tokenizer_call_after_
         # Append-only: the last prompt and its answer are a prefix of this one.
         assert ids[: len(previous)] == previous
         body = {"messages": conversation.openai_messages()}
-        assert conversation.chars == context_chars(body)  # what the proxy estimates from
+        # What the proxy estimates tokens from.
+        assert conversation.chars == protocols.prepare(protocols.Protocol.CHAT, body).prompt_chars
         text, answer = model_answer(tokenizer, 40, str(target))
         conversation.answer(text, answer)
         previous = ids + answer

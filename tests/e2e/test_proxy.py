@@ -78,21 +78,33 @@ async def test_non_streaming_chat_tracks_the_program(
 
 
 @pytest.mark.parametrize(
-    ("extra", "headers", "expected"),
+    ("extra", "headers", "expected", "source"),
     [
-        pytest.param({"program_id": "from-body"}, {}, "from-body", id="body"),
-        pytest.param({"extra_body": {"program_id": "extra"}}, {}, "extra", id="extra_body"),
-        pytest.param({}, {"X-Program-Id": "from-header"}, "from-header", id="header"),
-        pytest.param({}, {}, "default", id="default"),
+        pytest.param({"program_id": "from-body"}, {}, "from-body", "explicit", id="body"),
+        pytest.param(
+            {"extra_body": {"program_id": "extra"}}, {}, "extra", "explicit", id="extra_body"
+        ),
+        pytest.param({}, {"X-Program-Id": "from-header"}, "from-header", "explicit", id="header"),
+        pytest.param({}, {"X-Session-ID": "s-1"}, "s-1", "session_header", id="session"),
+        # Nothing names it: a new program, recognised by its prompt from now on.
+        pytest.param({}, {}, "auto-", "new", id="new"),
     ],
 )
 async def test_program_id_sources(
-    client: httpx.AsyncClient, extra: dict[str, Any], headers: dict[str, str], expected: str
+    client: httpx.AsyncClient,
+    extra: dict[str, Any],
+    headers: dict[str, str],
+    expected: str,
+    source: str,
 ) -> None:
     r = await client.post("/v1/chat/completions", json={**CHAT, **extra}, headers=headers)
     assert r.status_code == 200
-    assert r.headers["x-request-id"] == f"{expected}-1"
-    assert expected in (await client.get("/programs")).json()
+    request_id = r.headers["x-request-id"]
+    assert request_id.startswith(expected)
+    assert request_id.endswith("-1")
+    program_id = request_id.removesuffix("-1")
+    programs = (await client.get("/programs")).json()
+    assert programs[program_id]["source"] == source
 
 
 async def test_streaming_hides_the_usage_chunk_it_asked_for(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thunderproxy.http.sse import UsageTap, usage_from
@@ -28,6 +28,7 @@ def feed_split(tap: UsageTap, data: bytes, cuts: list[int]) -> bytes:
     return out + tap.flush()
 
 
+@settings(deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=8))
 def test_usage_is_read_however_the_stream_is_split(cuts: list[int]) -> None:
     shown = UsageTap(hide_usage_chunk=False)

@@ -135,7 +135,8 @@ async def test_connection_refused_marks_the_backend_down(tmp_path: Path) -> None
             assert r.status_code == 502
             assert url in r.json()["error"]["message"]
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 503
-            assert proxy.services.scheduler.registry.get("default").in_flight == 0
+            # No call is left counted as in flight, whichever program it was recognised as.
+            assert all(p.in_flight == 0 for p in proxy.services.scheduler.registry)
 
 
 async def test_programs_of_a_dead_backend_move_to_a_live_one(tmp_path: Path) -> None:

@@ -49,9 +49,20 @@ CASES = [
         b'{"messages": [], "program_id": ""}', 400, "program_id", "string", id="pid-empty"
     ),
     pytest.param(b'{"messages": "hi"}', 400, "messages", "list", id="messages-not-list"),
-    pytest.param(b'{"messages": [], "stream": "yes"}', 400, "stream", "true or false", id="stream"),
+    pytest.param(b'{"messages": [], "program_id": "p"}', 400, "messages", "non-empty", id="empty"),
     pytest.param(
-        b'{"messages": [], "stream_options": 1}', 400, "stream_options", "object", id="so"
+        b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}',
+        400,
+        "stream",
+        "true or false",
+        id="stream",
+    ),
+    pytest.param(
+        b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": 1}',
+        400,
+        "stream_options",
+        "object",
+        id="so",
     ),
     pytest.param(b'{"messages": ["\xff\xfe"]}', 400, None, "UTF-8", id="invalid-utf8"),
     pytest.param(b'{"messages": [], "x": "' + b"a" * 5000 + b'"}', 413, None, "4096", id="too-big"),

@@ -17,6 +17,9 @@ from thunderproxy.errors import InvalidRequest
 from thunderproxy.http.validate import MAX_JSON_DEPTH, check_identifier, load_json
 from thunderproxy.runtime import RunningProxy
 
+#: The smallest chat a backend accepts (an empty conversation is refused at the edge).
+HELLO = [{"role": "user", "content": "hi"}]
+
 
 def nested(depth: int) -> bytes:
     return b"[" * (depth - 1) + b"{}" + b"]" * (depth - 1)
@@ -98,7 +101,9 @@ async def test_refused_at_the_edge_and_the_proxy_keeps_serving(
         assert error["param"] == param
         assert error["type"] == "invalid_request_error"
         assert backend.received == []
-        ok = await client.post("/v1/chat/completions", json={"messages": [], "program_id": "after"})
+        ok = await client.post(
+            "/v1/chat/completions", json={"messages": HELLO, "program_id": "after"}
+        )
         assert ok.status_code == 200
     await wait_for(lambda: proxy.audit.written >= 1 and proxy.audit.statistics().queued == 0)
     await wait_for(lambda: len(query(tmp_path / "audit.db", "SELECT * FROM rejections")) == 1)
@@ -114,7 +119,7 @@ async def test_header_bytes_reach_the_backend_as_sent(
         (b"x-program-id", "täsk-😀".encode()),
     ]
     async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
-        r = await client.post("/v1/chat/completions", json={"messages": []}, headers=headers)
+        r = await client.post("/v1/chat/completions", json={"messages": HELLO}, headers=headers)
         assert r.status_code == 200, r.text
         # The server hands values over as latin-1; encoding them back gives the bytes sent.
         seen = {k.lower(): v.encode("latin-1") for k, v in backend.headers[-1].items()}
@@ -129,7 +134,7 @@ async def test_a_program_id_header_that_is_not_utf8_is_refused(
 ) -> None:
     async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
         r = await client.post(
-            "/v1/chat/completions", json={"messages": []}, headers=[(b"x-program-id", b"\xff")]
+            "/v1/chat/completions", json={"messages": HELLO}, headers=[(b"x-program-id", b"\xff")]
         )
         assert r.status_code == 400
         assert r.json()["error"]["param"] == "x-program-id"

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import query, running_proxy
 from tests.fuzzbackend import Answer, FuzzBackend, answers, serve_fuzz_backend, texts
+from thunderproxy.protocols.openai_chat import ChatTap
 from thunderproxy.runtime import RunningProxy
 
 #: /health must answer within this, whatever came before.
@@ -275,9 +276,18 @@ EVENT_BOUNDARY = re.compile(rb"(\A|\r?\n\r?\n)\Z")
 
 
 def cut_by_proxy(answer: Answer) -> bool:
-    """Whether a relayed stream must end with the proxy's own error event."""
+    """Whether a relayed stream must end with the proxy's own error event: it was cut, or never
+    ends an event, before its protocol's end (``data: [DONE]``) passed whole."""
     unended = answer.filler_count and b"\n\n" not in answer.filler
-    return bool(answer.cut or unended)
+    return bool(answer.cut or unended) and not ended_before_cut(answer)
+
+
+def ended_before_cut(answer: Answer) -> bool:
+    """The stream's own end event (``data: [DONE]``) passed whole before anything could go
+    wrong: read by the chat protocol's tap, whose notion of a complete answer this is."""
+    tap = ChatTap(hide_usage_chunk=False)
+    tap.feed(b"".join(answer.pieces))
+    return tap.complete
 
 
 def check_stream(answer: Answer, body: bytes, *, hidden: bool) -> int:

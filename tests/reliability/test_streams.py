@@ -20,6 +20,9 @@ from thunderproxy.runtime import RunningProxy
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8}}
 
+#: The smallest chat a backend accepts (an empty conversation is refused at the edge).
+HELLO = [{"role": "user", "content": "hi"}]
+
 
 def event(payload: Any, end: bytes = b"\n\n") -> bytes:
     return b"data: " + json.dumps(payload).encode() + end
@@ -67,7 +70,7 @@ async def test_a_50mb_event_ends_the_stream_cleanly_as_a_backend_fault(
         filler=b"y" * 65_536,
         filler_count=800,  # 50 MB, never ended
     )
-    request = {"messages": [], "stream": True, "program_id": "huge"}
+    request = {"messages": HELLO, "stream": True, "program_id": "huge"}
     with trio.fail_after(10):
         async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
             r = await client.post(
@@ -105,13 +108,13 @@ async def test_impossible_usage_is_noted_not_believed(
     async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
         streamed = await client.post(
             "/v1/chat/completions",
-            json={"messages": [], "stream": True, "program_id": "negative"},
+            json={"messages": HELLO, "stream": True, "program_id": "negative"},
             headers={"x-fuzz-case": "negative"},
         )
         assert streamed.content == CONTENT[0] + b"data: [DONE]\n\n"
         plain = await client.post(
             "/v1/chat/completions",
-            json={"messages": [], "program_id": "huge"},
+            json={"messages": HELLO, "program_id": "huge"},
             headers={"x-fuzz-case": "huge"},
         )
         assert plain.status_code == 200

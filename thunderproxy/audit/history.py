@@ -15,7 +15,10 @@ SELECT t.program_id, t.to_status, t.backend, t.at,
          WHERE s.program_id = t.program_id AND s.prompt_tokens IS NOT NULL
          ORDER BY s.id DESC LIMIT 1) AS tokens,
        (SELECT s.model FROM steps s WHERE s.program_id = t.program_id
-         ORDER BY s.id DESC LIMIT 1) AS model
+         ORDER BY s.id DESC LIMIT 1) AS model,
+       (SELECT f.source FROM transitions f
+         WHERE f.program_id = t.program_id AND f.source IS NOT NULL
+         ORDER BY f.id LIMIT 1) AS source
   FROM transitions t
   JOIN (SELECT program_id, MAX(id) AS id FROM transitions GROUP BY program_id) last
     ON last.id = t.id
@@ -35,6 +38,8 @@ class LiveProgram:
     model: str | None
     last_at_unix: float
     created_at_unix: float
+    #: How the program was recognised (program_id, a client's session id, a prefix, …).
+    source: str | None = None
 
 
 def live_programs(path: str) -> list[LiveProgram]:
@@ -54,6 +59,7 @@ def live_programs(path: str) -> list[LiveProgram]:
             model=model,
             last_at_unix=at,
             created_at_unix=created_at,
+            source=source,
         )
-        for program_id, status, backend, at, steps, created_at, tokens, model in rows
+        for program_id, status, backend, at, steps, created_at, tokens, model, source in rows
     ]

@@ -45,6 +45,7 @@ class TransitionRecord:
             "reason": t.reason,
             "backend": t.backend,
             "step": t.step,
+            "source": t.source,
         }
 
 

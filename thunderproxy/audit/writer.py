@@ -18,7 +18,7 @@ import os
 import sqlite3
 import tempfile
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,9 +84,17 @@ class AuditLog:
         self.batches = 0
         self.invalid = 0
         self.dropped_by_cause: dict[str, int] = {}
+        #: Called with every record, kept or dropped: the proxy's counters learn here, in the
+        #: one place every step and transition passes (statistics.Counters).
+        self.observers: list[Callable[[AuditRecord], None]] = []
 
     def record(self, record: AuditRecord) -> None:
         """Queue one record; never blocks, never raises (a full or closed queue drops it)."""
+        for observe in self.observers:
+            try:
+                observe(record)
+            except Exception:  # a counter's fault must not cost the row, nor fail serving
+                log.exception("an audit observer failed on a %s record", type(record).__name__)
         try:
             self._send.send_nowait(record)
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):

@@ -35,10 +35,15 @@ from ..errors import (
 from ..gateway import Gateway
 from ..programs import Program, ProgramStatus
 from ..programs.profile import Profiles
+from ..programs.recognition import ProgramRecognizer
+from ..protocols import Protocol
 from ..scheduling import Scheduler
 from ..snapshot import Statistics
+from ..statistics import Counters
+from . import prometheus
 from .auth import require_admin
 from .drain import Drain
+from .edges import Edges, error_shape
 from .errors import error_response
 from .guard import PassthroughGuard, parse_prefixes, reads_allowed
 from .listing import next_link, page, parse_query
@@ -47,7 +52,15 @@ from .readiness import Readiness
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 #: The routes that need a backend, refused while the runtime waits for its backends.
-BACKEND_ENDPOINTS = ("chat_completions", "completions", "list_models", "passthrough")
+BACKEND_ENDPOINTS = (
+    "chat_completions",
+    "completions",
+    "messages",
+    "count_tokens",
+    "responses",
+    "list_models",
+    "passthrough",
+)
 
 
 @dataclass
@@ -60,6 +73,10 @@ class Services:
     clock: WallClock
     #: Ready unless the runtime is still waiting for its backends.
     readiness: Readiness = field(default_factory=Readiness)
+    #: Which program each call without a program id belongs to (one per proxy: it learns).
+    recognizer: ProgramRecognizer = field(default_factory=ProgramRecognizer)
+    #: Steps, pauses, resumes and latency histograms, fed by the audit log (Prometheus).
+    counters: Counters = field(default_factory=Counters)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -129,6 +146,7 @@ def program_view(program: Program, services: Services, *, with_profile: bool) ->
         "acting_since": None if acting_since is None else services.clock.unix(acting_since),
         "in_flight": program.in_flight,
         "marked_for_pause": program.marked_for_pause,
+        "source": program.source,
     }
     if with_profile:
         profile = services.profiles.get(program.program_id)
@@ -159,6 +177,7 @@ def create_app(services: Services) -> ThunderproxyApp:
         read_timeout=settings.read_timeout,
         guard=PassthroughGuard(parse_prefixes(settings.passthrough), settings.admin_token),
     )
+    edges = Edges(gateway=services.gateway, recognizer=services.recognizer)
 
     def reject(status: int, error_type: str, message: str, program_id: str | None) -> None:
         audit.record(
@@ -178,13 +197,13 @@ def create_app(services: Services) -> ThunderproxyApp:
         if not request.scope.get(RECORDED_KEY):  # the gateway recorded the calls it was given
             status, error_type = describe(error)
             reject(status, error_type, error.message, error.program_id)
-        return error_response(error)
+        return error_response(error, error_shape(request.path))
 
     @app.errorhandler(HTTPException)
     async def handle_http_error(error: HTTPException) -> Response:
         # Quart's own refusals (413 body too large, 408 body too slow, 405, 404), as ours.
         status = error.code or 500
-        ours: ThunderproxyError = {
+        ours: ThunderproxyError | None = {
             413: PayloadTooLarge(
                 f"Request body is larger than {settings.max_body_bytes} bytes "
                 "(see --max-body-bytes)."
@@ -194,11 +213,15 @@ def create_app(services: Services) -> ThunderproxyApp:
                 "(see --client-timeout)."
             ),
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}."),
-        }.get(status) or (
-            NotFound(error.description or error.name)
-            if status == 404
-            else InvalidRequest(error.description or error.name)
-        )
+        }.get(status)
+        if ours is None:
+            text = error.description or error.name
+            if status == 404:
+                ours = NotFound(text)
+            elif status >= 500:
+                ours = ThunderproxyError(text)  # a fault of ours, not of the request
+            else:
+                ours = InvalidRequest(text)
         return await handle_error(ours)
 
     @app.before_request
@@ -238,11 +261,23 @@ def create_app(services: Services) -> ThunderproxyApp:
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await proxy.completion("/v1/chat/completions")
+        return await edges.call(Protocol.CHAT, "/v1/chat/completions")
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await proxy.completion("/v1/completions")
+        return await edges.call(Protocol.COMPLETIONS, "/v1/completions")
+
+    @app.post("/v1/messages")
+    async def messages() -> Response:
+        return await edges.call(Protocol.MESSAGES, "/v1/messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        return await edges.count_tokens("/v1/messages/count_tokens")
+
+    @app.post("/v1/responses")
+    async def responses() -> Response:
+        return await edges.call(Protocol.RESPONSES, "/v1/responses")
 
     def may_read() -> bool:
         return reads_allowed(
@@ -279,6 +314,7 @@ def create_app(services: Services) -> ThunderproxyApp:
         if not isinstance(program_id, str) or not program_id:
             raise InvalidRequest("program_id must be a non-empty string.", param="program_id")
         scheduler.release(program_id)
+        services.recognizer.forget(program_id)  # a later call continuing it starts anew
         return jsonify({"program_id": program_id, "released": True})
 
     @app.get("/v1/models")
@@ -350,9 +386,17 @@ def create_app(services: Services) -> ThunderproxyApp:
             response.status_code = 503
         return response
 
+    @app.get(prometheus.PROMETHEUS_PATH)
+    async def metrics_prometheus() -> Response:
+        require_reader()
+        view = services.counters.view(services.statistics())
+        return Response(prometheus.render(view), content_type=prometheus.CONTENT_TYPE)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         require_reader()
+        if prometheus.wants_prometheus(request.headers.get("accept"), request.path):
+            return await metrics_prometheus()
         stats = services.statistics()
         backends: dict[str, Any] = {}
         for b in stats.backends:

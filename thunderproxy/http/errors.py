@@ -10,6 +10,8 @@ from typing import Any
 from quart import Response
 
 from ..errors import NotReady, QueueFull, ShuttingDown, ThunderproxyError, describe
+from ..protocols import Protocol
+from ..protocols import error_body as protocol_error_body
 
 
 def status_for(error: ThunderproxyError) -> int:
@@ -28,8 +30,10 @@ def error_json(error: ThunderproxyError) -> bytes:
     return error_body(error.message, error_type=error_type, status=status, param=error.param)
 
 
-def error_response(error: ThunderproxyError) -> Response:
-    status = status_for(error)
+def error_response(error: ThunderproxyError, protocol: Protocol | None = None) -> Response:
+    """The error as JSON in ``protocol``'s shape (Anthropic's for Messages; OpenAI's for the
+    rest and by default), with Retry-After where waiting helps."""
+    status, error_type = describe(error)
     headers = {"content-type": "application/json"}
     if isinstance(error, (QueueFull, NotReady)):
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s)))
@@ -38,7 +42,13 @@ def error_response(error: ThunderproxyError) -> Response:
         # a fresh one (another replica, or this proxy once restarted).
         headers["retry-after"] = "1"
         headers["connection"] = "close"
-    return Response(error_json(error), status=status, headers=headers)
+    if protocol is Protocol.MESSAGES:
+        content = protocol_error_body(
+            protocol, status, error_type, error.message, param=error.param
+        )
+    else:
+        content = error_json(error)
+    return Response(content, status=status, headers=headers)
 
 
 def sse_error_event(error: ThunderproxyError) -> bytes:

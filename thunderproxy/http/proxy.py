@@ -1,7 +1,8 @@
-"""The OpenAI edge: completions become gateway calls; any other path goes straight through.
+"""What the edges share (header forwarding, body parsing, the end-of-exchange hook), and the
+passthrough: any path that is not an LLM call goes straight to a backend.
 
-Each completion is handed to the gateway, which owns it from then on: whatever happens (normal
-end, backend error, client gone, proxy stopping) it is closed and recorded exactly once.
+The LLM calls themselves are http/edges.py's: each is handed to the gateway, which owns it from
+then on.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from werkzeug.datastructures import Headers
 
 from ..backends import UpstreamRequest, UpstreamResponse
 from ..errors import BackendError, BackendProtocolError, InvalidRequest
-from ..gateway import Call, Gateway
+from ..gateway import Gateway
 from .guard import DEFAULT_GUARD, PassthroughGuard
-from .sse import OPENAI
 from .streaming import is_streaming
-from .validate import check_identifier, check_identifiers, header_text, load_json
+from .validate import load_json
 
 DEFAULT_PROGRAM = "default"
 MAX_PROGRAM_ID_CHARS = 256
@@ -84,67 +84,6 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def extract_program_id(body: dict[str, Any], header: str | None) -> str:
-    """Take the program id from the body, ``extra_body`` or ``X-Program-Id`` (in that order) and
-    strip it from the body, so the backend never sees a field it does not know."""
-    found: list[Any] = []
-    if "program_id" in body:
-        found.append(body.pop("program_id"))
-    extra = body.get("extra_body")
-    if isinstance(extra, dict) and "program_id" in extra:
-        found.append(extra.pop("program_id"))
-        if not extra:
-            del body["extra_body"]
-    if header is not None and not found:
-        found.append(header_text(header, "X-Program-Id"))
-    if not found:
-        return DEFAULT_PROGRAM
-    program_id = found[0]
-    if not isinstance(program_id, str) or not program_id.strip():
-        raise InvalidRequest("program_id must be a non-empty string.", param="program_id")
-    check_identifier(program_id, "program_id")
-    if len(program_id) > MAX_PROGRAM_ID_CHARS:
-        raise InvalidRequest(
-            f"program_id is longer than {MAX_PROGRAM_ID_CHARS} characters.", param="program_id"
-        )
-    return program_id
-
-
-def context_chars(body: dict[str, Any]) -> int:
-    """Characters of prompt text in a chat or completion request (the seed's context_len)."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        total = 0
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                total += len(content)
-            elif isinstance(content, list):
-                total += sum(
-                    len(part.get("text", ""))
-                    for part in content
-                    if isinstance(part, dict) and isinstance(part.get("text"), str)
-                )
-        return total
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(len(p) for p in prompt if isinstance(p, str))
-    return 0
-
-
-def validate_completion_body(body: dict[str, Any], endpoint: str) -> None:
-    if endpoint.endswith("chat/completions") and not isinstance(body.get("messages"), list):
-        raise InvalidRequest("'messages' must be a list of chat messages.", param="messages")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise InvalidRequest("'stream' must be true or false.", param="stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
-    check_identifiers(body)
-
-
 def response_headers(headers: Iterable[tuple[str, str]]) -> Headers:
     return Headers(forward_headers(headers, drop=RESPONSE_OWN))
 
@@ -162,47 +101,6 @@ class Proxy:
         self.pool = gateway.pool
         self.read_timeout = read_timeout
         self.guard = guard
-
-    async def completion(self, endpoint: str) -> Response:
-        """POST /v1/chat/completions and /v1/completions: one step of one program."""
-        arrived_at = trio.current_time()
-        body = parse_json_object(await request.get_data(False, False, False))
-        program_id = extract_program_id(body, request.headers.get("x-program-id"))
-        validate_completion_body(body, endpoint)
-        stream = body.get("stream") is True
-        options = body.get("stream_options") or {}
-        hide_usage = stream and options.get("include_usage") is not True
-        if hide_usage:
-            body["stream_options"] = {**options, "include_usage": True}
-        model = body.get("model") if isinstance(body.get("model"), str) else None
-        headers = forward_headers(
-            request.headers.items(), drop=frozenset({"x-program-id", "accept-encoding"})
-        )
-        headers.append(("accept-encoding", "identity"))
-        call = Call(
-            program_id=program_id,
-            endpoint=endpoint,
-            body=body,
-            wire=OPENAI,
-            arrived_at=arrived_at,
-            model=model,
-            stream=stream,
-            headers=headers,
-            context_chars=context_chars(body),
-            hide_usage=hide_usage,
-        )
-        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
-        scope[RECORDED_KEY] = True
-        exchange = await self.gateway.open(call)
-        on_request_end(exchange.aclose)
-        if exchange.is_event_stream:
-            return Response(
-                exchange.stream(), status=200, headers=response_headers(exchange.headers)
-            )
-        content = await exchange.read()
-        return Response(
-            content, status=exchange.status_code, headers=response_headers(exchange.headers)
-        )
 
     async def passthrough(self, path: str) -> Response:
         """Any other path under --passthrough: relayed to the program's backend or the first

@@ -74,27 +74,34 @@ class GatewayChatClient:
                         f"{error_message(raw)}"
                     )
                 pending = b""
-                async for chunk in exchange.stream():
-                    pending += chunk
-                    *lines, pending = pending.split(b"\n")
-                    for line in lines:
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            continue
-                        try:
-                            payload = json.loads(data)
-                        except ValueError:
-                            raise MemberFailed(
-                                f"Model {model!r} sent an unreadable stream chunk: {data[:120]!r}"
-                            ) from None
-                        if isinstance(payload, dict) and "error" in payload:
-                            raise MemberFailed(
-                                f"Model {model!r} failed mid-answer: {error_message(data)}"
-                            )
-                        for event in assembler.feed(payload):
-                            yield event
+                chunks = exchange.stream()
+                try:
+                    async for chunk in chunks:
+                        pending += chunk
+                        *lines, pending = pending.split(b"\n")
+                        for line in lines:
+                            if not line.startswith(b"data:"):
+                                continue
+                            data = line[5:].strip()
+                            if data == b"[DONE]":
+                                continue
+                            try:
+                                payload = json.loads(data)
+                            except ValueError:
+                                raise MemberFailed(
+                                    f"Model {model!r} sent an unreadable stream chunk: "
+                                    f"{data[:120]!r}"
+                                ) from None
+                            if isinstance(payload, dict) and "error" in payload:
+                                raise MemberFailed(
+                                    f"Model {model!r} failed mid-answer: {error_message(data)}"
+                                )
+                            for event in assembler.feed(payload):
+                                yield event
+                finally:
+                    # Closed here if the member is cancelled mid-answer, not by the collector.
+                    with trio.CancelScope(shield=True):
+                        await chunks.aclose()
         except ThunderproxyError as exc:
             if isinstance(exc, MemberFailed):
                 raise

@@ -200,12 +200,14 @@ class ProgramRegistry:
         *,
         status: ProgramStatus = ProgramStatus.REASONING,
         reason: str = "first request",
+        source: str | None = None,
     ) -> tuple[Program, bool]:
-        """The program with this id, created (and logged) on first sight."""
+        """The program with this id, created (and logged, with how it was recognised) on first
+        sight."""
         program = self._programs.get(program_id)
         if program is not None:
             return program, False
-        program, first = state.create(program_id, now, status=status, reason=reason)
+        program, first = state.create(program_id, now, status=status, reason=reason, source=source)
         self._programs[program_id] = program
         self._order_add(program_id)
         self._reindex(program)

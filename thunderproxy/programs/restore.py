@@ -24,6 +24,7 @@ class RestoredProgram:
     model: str | None
     last_at_unix: float
     created_at_unix: float
+    source: str | None = None
 
 
 def load(path: str) -> list[RestoredProgram]:
@@ -44,6 +45,7 @@ def restored(row: LiveProgram) -> RestoredProgram:
         model=row.model,
         last_at_unix=row.last_at_unix,
         created_at_unix=row.created_at_unix,
+        source=row.source,
     )
 
 
@@ -59,6 +61,7 @@ def rebuild(item: RestoredProgram, *, now: float, wall_now: float) -> Program:
         step_count=item.step_count,
         total_tokens=item.tokens,
         last_activity=last,
+        source=item.source,
     )
     if item.status is ProgramStatus.PAUSED:
         program.paused_since = last

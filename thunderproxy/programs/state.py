@@ -55,6 +55,8 @@ class Transition:
     backend: str | None
     step: int
     at: float
+    #: How the program was recognised (recognition's Source); only on its first transition.
+    source: str | None = None
 
 
 @dataclass
@@ -91,6 +93,8 @@ class Program:
     waiting_since: float | None = None
     #: After a forced resume the program may not be paused again before this time.
     protected_until: float = 0.0
+    #: How its first call was recognised (recognition's Source value); None if not told.
+    source: str | None = None
 
     def _move(self, to: ProgramStatus, reason: str, now: float) -> Transition:
         transition = Transition(
@@ -112,13 +116,16 @@ def create(
     *,
     status: ProgramStatus = ProgramStatus.REASONING,
     reason: str = "first request",
+    source: str | None = None,
 ) -> tuple[Program, Transition]:
     """A program seen for the first time: REASONING (its first call is going out) or, when the
     scheduler queues it at admission, PAUSED."""
-    program = Program(program_id=program_id, created_at=now, last_activity=now, status=status)
+    program = Program(
+        program_id=program_id, created_at=now, last_activity=now, status=status, source=source
+    )
     if status is ProgramStatus.PAUSED:
         program.paused_since = now
-    return program, Transition(program_id, None, status, reason, None, 0, now)
+    return program, Transition(program_id, None, status, reason, None, 0, now, source)
 
 
 def begin_step(

@@ -104,12 +104,19 @@ class Scheduler:
     # -- the lease ------------------------------------------------------------------------------
 
     async def lease(
-        self, program_id: str, route: Route, *, arrived_at: float, context_chars: int
+        self,
+        program_id: str,
+        route: Route,
+        *,
+        arrived_at: float,
+        context_chars: int,
+        source: str | None = None,
     ) -> StepLease:
-        """Wait until ``program_id``'s call may go out, then lease it a backend of ``route``."""
+        """Wait until ``program_id``'s call may go out, then lease it a backend of ``route``.
+        ``source`` (how the program was recognised) is recorded if this call creates it."""
         program = self.registry.find(program_id)
         if program is None:
-            program = self._admit(program_id, route, arrived_at, context_chars)
+            program = self._admit(program_id, route, arrived_at, context_chars, source)
         else:
             self._gate_return(program, arrived_at, context_chars)
         # A loop, not an if: between its resume and this task running again, a program could be
@@ -160,7 +167,12 @@ class Scheduler:
         return self._sizers.get(model) or PromptSizer()
 
     def _admit(
-        self, program_id: str, route: Route, arrived_at: float, context_chars: int
+        self,
+        program_id: str,
+        route: Route,
+        arrived_at: float,
+        context_chars: int,
+        source: str | None = None,
     ) -> Program:
         """A program's first call: admitted as REASONING, or queued (PAUSED) by the policy."""
         estimate = self._sizer(route.requested).estimate(context_chars)
@@ -190,11 +202,15 @@ class Scheduler:
             self._log(decision)
         if decision is not None and decision.action is Action.QUEUE:
             program, _ = self.registry.get_or_create(
-                program_id, now, status=ProgramStatus.PAUSED, reason=f"queued: {decision.rule}"
+                program_id,
+                now,
+                status=ProgramStatus.PAUSED,
+                reason=f"queued: {decision.rule}",
+                source=source,
             )
         else:
             created = arrived_at if decision is None else now
-            program, _ = self.registry.get_or_create(program_id, created)
+            program, _ = self.registry.get_or_create(program_id, created, source=source)
         program.model = route.requested
         self.registry.assign(program, node.url)
         if decision is not None:

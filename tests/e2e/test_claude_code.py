@@ -1,0 +1,104 @@
+"""Claude Code itself (the npm package, unmodified) through a real proxy in front of the
+simulator: ``claude -p`` must finish, and its calls must be one program, with its steps in the
+audit db. Behind the ``claude_code`` marker (``pytest -m claude_code``): it installs Node
+packages and runs a large client.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import trio
+
+from thunderproxy.sim import SimConfig, open_simulator
+
+from ..conftest import query, running_proxy
+from ..sim.test_sim_http import MODEL
+
+pytestmark = pytest.mark.claude_code
+
+PACKAGE = "@anthropic-ai/claude-code"
+
+
+def run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def claude_binary(cache: Path) -> Path:
+    """``claude`` from the npm package, installed once into a prefix under ``cache`` (npm from
+    apt-get when missing). Skips, saying why, if it cannot be installed."""
+    binary = cache / "node_modules" / ".bin" / "claude"
+    if binary.exists():
+        return binary
+    if shutil.which("npm") is None:
+        if shutil.which("apt-get") is None:
+            pytest.skip("npm is missing and there is no apt-get to install it with")
+        done = run(["apt-get", "install", "-y", "-q", "npm"], timeout=600)
+        if done.returncode != 0:
+            pytest.skip(f"npm is missing and apt-get could not install it: {done.stderr[-500:]}")
+    cache.mkdir(parents=True, exist_ok=True)
+    done = run(["npm", "install", "--prefix", str(cache), PACKAGE], timeout=600)
+    if done.returncode != 0 or not binary.exists():
+        pytest.skip(f"npm could not install {PACKAGE}: {done.stderr[-500:]}")
+    return binary
+
+
+async def test_claude_code_print_mode_is_one_program(tmp_path: Path) -> None:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    claude = await trio.to_thread.run_sync(
+        lambda: claude_binary(cache / "thunderproxy-tests" / "claude-code")
+    )
+    config = SimConfig(
+        time_scale=0.01,
+        # No tool calls: Claude Code would ask permission to run them, which -p cannot give.
+        tool_call_probability=0.0,
+        # Its system prompt and tool schemas alone are some 38 000 tokens.
+        max_model_len=131_072,
+        kv_capacity_tokens=400_000,
+    )
+    db = tmp_path / "audit.db"
+    home = tmp_path / "home"
+    home.mkdir()
+    async with (
+        open_simulator(config) as sim,
+        running_proxy(db, backends=sim.url, shutdown_grace=1.0) as proxy,
+    ):
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            # A home of its own: no settings, credentials or history of the machine's user.
+            "HOME": str(home),
+            "ANTHROPIC_BASE_URL": proxy.url,
+            "ANTHROPIC_API_KEY": "sk-ant-unused",
+            "ANTHROPIC_MODEL": MODEL,
+            "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_NON_ESSENTIAL_MODEL_CALLS": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1",
+        }
+        argv = [str(claude), "-p", "Say hello in one sentence.", "--model", MODEL]
+        with trio.fail_after(120):
+            done = await trio.run_process(
+                argv, env=env, cwd=tmp_path, capture_stdout=True, capture_stderr=True, check=False
+            )
+        output = done.stdout.decode(errors="replace")
+        errors = done.stderr.decode(errors="replace")
+        assert done.returncode == 0, (output[-2000:], errors[-2000:])
+        assert output.strip(), errors[-2000:]
+    rows = query(db, "SELECT program_id, endpoint, status, prompt_tokens FROM steps ORDER BY id")
+    messages = [r for r in rows if r["endpoint"] == "/v1/messages"]
+    assert messages, rows
+    assert all(r["status"] == 200 for r in messages), messages
+    assert all((r["prompt_tokens"] or 0) > 0 for r in messages), messages
+    programs = {r["program_id"] for r in messages}
+    assert len(programs) == 1, rows
+    (program,) = programs
+    sources = query(
+        db, "SELECT source FROM transitions WHERE program_id = ? AND source IS NOT NULL", program
+    )
+    assert [s["source"] for s in sources] == ["claude_code"], (program, sources)
+    assert program.startswith("claude-code:")

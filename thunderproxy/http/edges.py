@@ -1,0 +1,207 @@
+"""The protocol edges: one shape for every scheduled route, whatever protocol it speaks.
+
+``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/messages`` and ``/v1/responses`` all
+go the same way: the body is parsed and checked by its protocol (``protocols.prepare``), the
+program is recognised (``ProgramRecognizer.recognise``: an explicit ``program_id`` or
+``X-Program-Id`` wins, then client session ids, then the prompt itself), and a ``Call`` with a
+``ProtocolWire`` of its own goes to the gateway, which schedules, relays and records it. After a
+200 the answer teaches the recognizer: ``observe_answer`` for programs known only by their prompt,
+``remember_response`` for Responses ids. ``POST /v1/messages/count_tokens`` generates nothing, so
+it is checked and passed to the program's backend without scheduling.
+
+Errors keep each protocol's shape: ``error_shape(path)`` tells the app's error handler which.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import trio
+from quart import Response, request
+from werkzeug.datastructures import Headers
+
+from .. import protocols
+from ..backends import BackendNode, UpstreamRequest
+from ..errors import BackendError, NoBackendAvailable
+from ..gateway import Call, Exchange, Gateway
+from ..programs.recognition import (
+    ProgramRecognizer,
+    Recognised,
+    explicit_program_id,
+    without_program_id,
+)
+from ..protocols import Protocol, ProtocolWire
+from ..protocols.anthropic import prepare_count_tokens
+from .proxy import (
+    RECORDED_KEY,
+    forward_headers,
+    on_request_end,
+    parse_json_object,
+    relay,
+    response_headers,
+)
+from .validate import check_identifier, check_identifiers, header_text
+
+#: Headers the proxy reads itself, or recomputes for the backend.
+_NOT_FORWARDED = frozenset({"x-program-id", "accept-encoding"})
+
+
+def error_shape(path: str) -> Protocol | None:
+    """The protocol whose error shape a request to ``path`` gets (None: OpenAI's, the default)."""
+    return protocols.ROUTES.get(path) or protocols.UNSCHEDULED_ROUTES.get(path)
+
+
+def identified_headers() -> Headers:
+    """The request's headers with ``X-Program-Id`` read as UTF-8 text (the server decodes
+    header bytes as latin-1); InvalidRequest if it is not UTF-8."""
+    header = request.headers.get("x-program-id")
+    if header is None:
+        return request.headers
+    headers = Headers(request.headers)
+    headers["X-Program-Id"] = header_text(header, "X-Program-Id")
+    return headers
+
+
+def _upstream_headers() -> list[tuple[str, str]]:
+    headers = forward_headers(request.headers.items(), drop=_NOT_FORWARDED)
+    # The taps read the bytes as they pass: a compressed stream would hide its usage.
+    headers.append(("accept-encoding", "identity"))
+    return headers
+
+
+class Edges:
+    """The scheduled routes and ``count_tokens``, over one gateway and one recognizer."""
+
+    def __init__(self, *, gateway: Gateway, recognizer: ProgramRecognizer) -> None:
+        self.gateway = gateway
+        self.recognizer = recognizer
+
+    async def call(self, protocol: Protocol, endpoint: str) -> Response:
+        """One step of one program, in ``protocol``'s terms."""
+        arrived_at = trio.current_time()
+        body = parse_json_object(await request.get_data(False, False, False))
+        headers = identified_headers()
+        check_identifiers(body)
+        if self.recognizer.config.explicit:
+            # A malformed program id is named as such, even in a body that has other faults.
+            explicit_program_id(body, headers)
+        # Then the body, before recognition reads its prompt: a malformed one starts nothing.
+        prepared = protocols.prepare(protocol, without_program_id(body))
+        recognised = self.recognizer.recognise(protocol, body, headers, arrived_at)
+        # Whatever named the program (the body, a header, a client's session id), the id is
+        # written to the db and sent upstream: it must be text.
+        check_identifier(recognised.program_id, "program_id")
+        wire = ProtocolWire(protocol, collect_answer=recognised.by_prompt)
+        call = Call(
+            program_id=recognised.program_id,
+            endpoint=endpoint,
+            body=prepared.body,
+            wire=wire,
+            arrived_at=arrived_at,
+            model=prepared.model,
+            stream=prepared.stream,
+            headers=_upstream_headers(),
+            context_chars=prepared.prompt_chars,
+            hide_usage=prepared.hide_usage,
+            source=recognised.source.value,
+        )
+        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
+        scope[RECORDED_KEY] = True
+        exchange = await self.gateway.open(call)
+        on_request_end(exchange.aclose)
+        headers = response_headers(exchange.headers)
+        if exchange.is_event_stream:
+            return Response(
+                self._stream(exchange, wire, recognised, body), status=200, headers=headers
+            )
+        content = await exchange.read()
+        if exchange.status_code == 200:
+            self._learn_from_body(protocol, recognised, body, content)
+        return Response(content, status=exchange.status_code, headers=headers)
+
+    async def _stream(
+        self,
+        exchange: Exchange,
+        wire: ProtocolWire,
+        recognised: Recognised,
+        body: dict[str, Any],
+    ) -> AsyncIterator[bytes]:
+        # Closed here when the client leaves, so the backend's stream is not left to the GC.
+        async with aclosing(exchange.stream()) as chunks:  # type: ignore[type-var]
+            async for chunk in chunks:
+                yield chunk
+        tap = wire.last_tap
+        # Only a whole answer is learnt from: a cut one would make a head no next call extends.
+        if tap is None or tap.error is not None or exchange.outcome != 200:
+            return
+        now = trio.current_time()
+        if recognised.by_prompt:
+            self.recognizer.observe_answer(
+                recognised.program_id, wire.protocol, body, tap.answer(), now
+            )
+        self.recognizer.remember_response(tap.response_id, recognised.program_id, now)
+
+    def _learn_from_body(
+        self, protocol: Protocol, recognised: Recognised, body: dict[str, Any], content: bytes
+    ) -> None:
+        try:
+            payload = json.loads(content)
+        except (ValueError, RecursionError):
+            return  # the gateway recorded why; nothing to learn
+        now = trio.current_time()
+        if recognised.by_prompt:
+            answer = protocols.answer_from_body(protocol, payload)
+            self.recognizer.observe_answer(recognised.program_id, protocol, body, answer, now)
+        if protocol is Protocol.RESPONSES:
+            self.recognizer.remember_response(
+                protocols.response_id_from_body(payload), recognised.program_id, now
+            )
+
+    async def count_tokens(self, endpoint: str) -> Response:
+        """``POST /v1/messages/count_tokens``: checked as Anthropic's, then passed to the
+        program's backend (the one whose tokenizer its calls use) or the first healthy one
+        serving its model. Not an LLM call: nothing is scheduled or recorded as a step."""
+        body = parse_json_object(await request.get_data(False, False, False))
+        prepared = prepare_count_tokens(without_program_id(body))
+        recognised = self.recognizer.recognise(
+            Protocol.MESSAGES, body, request.headers, trio.current_time()
+        )
+        pool = self.gateway.pool
+        route = pool.route(prepared.model)  # an unknown model is the gateway's own 404
+        program = self.gateway.scheduler.registry.find(recognised.program_id)
+        node = pool.get(program.backend) if program is not None else None
+        if node is None or not node.healthy or node not in route.nodes:
+            node = next((n for n in route.nodes if n.healthy), None)
+        if node is None:
+            raise NoBackendAvailable(
+                f"No healthy backend serves {prepared.model!r} "
+                f"({', '.join(n.url for n in route.nodes)}); check that they are running."
+            )
+        sent = prepared.body
+        if route.served is not None and route.served != prepared.model:
+            sent = {**sent, "model": route.served}
+        upstream = UpstreamRequest("POST", endpoint, _upstream_headers(), json.dumps(sent).encode())
+        return await self._send(node, upstream)
+
+    async def _send(self, node: BackendNode, upstream: UpstreamRequest) -> Response:
+        gateway = self.gateway
+        try:
+            with trio.fail_after(gateway.first_byte_timeout):
+                response = await node.backend.send(upstream)
+        except trio.TooSlowError:
+            error = gateway.timeout(node)
+            node.health.failed(error)
+            raise error from None
+        except BackendError as exc:
+            node.health.failed(exc)
+            raise
+        node.health.answered(response.status_code)
+        on_request_end(response.aclose)
+        return Response(
+            relay(response, gateway.read_timeout),
+            status=response.status_code,
+            headers=response_headers(response.headers),
+        )
