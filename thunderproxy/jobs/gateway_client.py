@@ -16,7 +16,7 @@ from ..errors import ProgramUnknown, ThunderproxyError
 from ..gateway import Call, Gateway
 from ..http.sse import OPENAI
 from .errors import MemberFailed
-from .llm import ChatEvent, StreamAssembler, error_message
+from .llm import ChatEvent, StreamAssembler, chat_body, error_message
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -41,18 +41,7 @@ class GatewayChatClient:
         tool_choice: Any = None,
         max_tokens: int | None = None,
     ) -> AsyncIterator[ChatEvent]:
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": messages,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if tools:
-            body["tools"] = tools
-        if tool_choice is not None:
-            body["tool_choice"] = tool_choice
-        if max_tokens is not None:
-            body["max_tokens"] = max_tokens
+        body = chat_body(model, messages, tools, tool_choice, max_tokens)
         call = Call(
             program_id=program_id,
             endpoint=ENDPOINT,

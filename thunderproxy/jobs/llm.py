@@ -138,6 +138,29 @@ def error_message(raw: bytes) -> str:
     return raw[:200].decode("utf-8", "replace")
 
 
+def chat_body(
+    model: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    max_tokens: int | None,
+) -> dict[str, Any]:
+    """A member's streamed chat request, usage included (the tool loop needs the counts)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if tools:
+        body["tools"] = tools
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
 class HttpChatClient:
     """``ChatClient`` over an OpenAI-compatible base URL (a thunderproxy or any server)."""
 
@@ -156,19 +179,8 @@ class HttpChatClient:
         tool_choice: Any = None,
         max_tokens: int | None = None,
     ) -> AsyncIterator[ChatEvent]:
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": messages,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "program_id": program_id,
-        }
-        if tools:
-            body["tools"] = tools
-        if tool_choice is not None:
-            body["tool_choice"] = tool_choice
-        if max_tokens is not None:
-            body["max_tokens"] = max_tokens
+        body = chat_body(model, messages, tools, tool_choice, max_tokens)
+        body["program_id"] = program_id  # the proxy in front schedules the member's program
         url = self.base_url + "/v1/chat/completions"
         assembler = StreamAssembler()
         try:
