@@ -8,7 +8,7 @@ import pytest
 from trio.testing import MockClock
 
 from thunderproxy.sim import Engine, SimConfig, StepOutput
-from thunderproxy.sim.blocks import BlockPool
+from thunderproxy.sim.blocks import BlockPool, block_hashes
 from thunderproxy.sim.exposition import render
 from thunderproxy.sim.offload import CPUTier
 from thunderproxy.sim.scheduler import Scheduler, SimRequest
@@ -172,3 +172,30 @@ def test_gib_convert_to_blocks_as_vllm_does() -> None:
     assert SimConfig(kv_offloading_size=1.0).resolved_num_cpu_blocks() == 512
     assert SimConfig(kv_offloading_tokens=1000).resolved_num_cpu_blocks() == 62
     assert SimConfig().resolved_num_cpu_blocks() == 0
+
+
+def test_landed_loads_that_block_each_other_give_their_blocks_back() -> None:
+    cpu = tier(200)
+    pool = BlockPool(100)  # 99 usable blocks
+    sched = Scheduler(
+        pool, block_size=32, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=8192,
+        cpu=cpu,
+    )  # fmt: skip
+    reqs = []
+    for seed in (1, 2):
+        prompt = token_prompt(seed, 70 * 32 + 1)
+        cpu.store(block_hashes(prompt[: 40 * 32], 32), 0.0)  # 40 blocks in the tier
+        req = SimRequest(f"r{seed}", prompt, 1, 0.0, sampler=lambda: (7, "x"))
+        sched.add_request(req)
+        reqs.append(req)
+    plan = sched.schedule(1.0)  # both start loads, 80 blocks held
+    assert plan.scheduled == []
+    assert sched.next_load_ready() == pytest.approx(1.040)
+    # Landed, but each needs 31 more blocks and 19 are free: nobody can start.
+    assert sched.schedule(2.0).scheduled == []
+    assert sched.next_load_ready() is None
+    assert sched.release_landed()
+    plan = sched.schedule(2.0)
+    # The loaded blocks stayed cached: the first request finds them on the GPU now.
+    assert [s.request for s in plan.scheduled] == [reqs[0]]
+    assert plan.scheduled[0].start == 40 * 32
