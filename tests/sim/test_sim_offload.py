@@ -199,3 +199,14 @@ def test_landed_loads_that_block_each_other_give_their_blocks_back() -> None:
     # The loaded blocks stayed cached: the first request finds them on the GPU now.
     assert [s.request for s in plan.scheduled] == [reqs[0]]
     assert plan.scheduled[0].start == 40 * 32
+
+
+async def test_sglang_reports_tier_hits_as_host_cache(
+    autojump_clock: MockClock, start_engine: Start
+) -> None:
+    config = SimConfig(**OFFLOAD, personality="sglang")  # type: ignore[arg-type]
+    engine, hit = await first_token_time(config, start_engine)
+    assert hit.num_cached_tokens == 576
+    cached = parse_metrics(render(engine))["sglang:cached_tokens_total"]
+    assert cached.value(cache_source="host") == 576
+    assert cached.value(cache_source="device") == 0

@@ -291,9 +291,11 @@ def render_sglang(engine: Engine) -> str:
     c("sglang:prompt_tokens", "Number of prefill tokens processed.", [(base, stats.prompt_tokens)])
     c("sglang:generation_tokens", "Number of generation tokens processed.",
       [(base, stats.generation_tokens)])  # fmt: skip
+    # A CPU tier plays SGLang's HiCache host tier here.
+    by_source = {"device": stats.prompt_tokens_cached - stats.prompt_tokens_external,
+                 "host": stats.prompt_tokens_external, "storage": 0}  # fmt: skip
     c("sglang:cached_tokens", "Prompt tokens served from the cache.",
-      [({**base, "cache_source": s}, stats.prompt_tokens_cached if s == "device" else 0)
-       for s in ("device", "host", "storage")])  # fmt: skip
+      [({**base, "cache_source": s}, n) for s, n in by_source.items()])  # fmt: skip
     c("sglang:num_requests", "Number of finished requests.", [(base, sum(rec.finished.values()))])
     c("sglang:num_retracted_requests", "Number of retracted requests.",
       [(base, stats.preemptions)])  # fmt: skip
