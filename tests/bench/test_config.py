@@ -29,6 +29,27 @@ def test_targets_are_named_or_urls() -> None:
         parse_targets(" , ")
 
 
+def test_offloading_targets_are_own_targets_over_a_cpu_tier() -> None:
+    assert parse_targets("offload,tr+offload,oracle+offload") == (
+        "offload",
+        "tr+offload",
+        "oracle+offload",
+    )
+    for bad in ("offload+offload", "fast+offload", "tr+offloaded"):
+        with pytest.raises(ConfigError, match="is not one of"):
+            parse_targets(bad)
+    w = workload.thunderagent(thunderagent_rows(programs=3, steps=3))
+    config = BenchConfig(kv_tokens=50_000, virtual=True)
+    assert config.sim_config(w, "offload", time_scale=1).kv_offloading_tokens == 200_000
+    tr = config.sim_config(w, "tr+offload", time_scale=1)
+    assert tr.kv_capacity_tokens == 50_000
+    assert tr.kv_offloading_tokens == 200_000
+    assert config.sim_config(w, "tr", time_scale=1).resolved_num_cpu_blocks() == 0
+    sized = BenchConfig(kv_tokens=50_000, offload_tokens=1_000, virtual=True)
+    assert sized.sim_config(w, "offload", time_scale=1).kv_offloading_tokens == 1_000
+    assert config.settings("tr+offload").router == "tr"
+
+
 def test_lists_and_settings_are_validated_before_anything_starts() -> None:
     assert parse_int_list("16,32", flag="--sweep") == (16, 32)
     with pytest.raises(ConfigError, match="--sweep"):
@@ -87,6 +108,7 @@ def test_the_oracle_holds_every_token_and_the_others_the_asked_capacity() -> Non
         pytest.param({"backends": 2, "backend_ports": (8001,)}, "one port", id="ports"),
         pytest.param({"arrivals": "poisson"}, "--rate", id="poisson-rate"),
         pytest.param({"profile": "tpu"}, "--profile", id="profile"),
+        pytest.param({"targets": ("offload",)}, "--virtual only", id="offload-real-time"),
     ],
 )
 def test_inconsistent_options_are_refused(kwargs: dict[str, object], message: str) -> None:

@@ -61,6 +61,25 @@ def test_every_target_completes_the_workload(agents_workload: Workload) -> None:
     assert results["direct"].figures["pause_time_total_s"] == 0
 
 
+def test_a_cpu_tier_turns_evicted_history_into_loads(agents_workload: Workload) -> None:
+    # Four agents on a cache for 1.2 programs: the GPU alone loses history.
+    kv = int(agents_workload.max_context_tokens * 1.2)
+    config = BenchConfig(virtual=True, concurrency=4, kv_tokens=kv)
+    direct = virtual.run(agents_workload, config, "direct").figures
+    offload = virtual.run(agents_workload, config, "offload").figures
+    assert direct["cpu_hit_tokens"] == direct["cpu_loads"] == 0
+    assert offload["programs_completed"] == 4
+    assert offload["errors"] == 0
+    # What the tight GPU cache evicted comes back from the tier instead of being recomputed.
+    assert offload["cpu_hit_tokens"] > 0
+    assert offload["cpu_loads"] >= offload["cpu_hit_tokens"] // 16
+    assert offload["prefix_hit_rate"] > direct["prefix_hit_rate"]
+    assert offload["evicted_prefix_tokens"] < direct["evicted_prefix_tokens"]
+    tr = virtual.run(agents_workload, config, "tr+offload")
+    assert tr.figures["programs_completed"] == 4
+    assert tr.proxy_settings["router"] == "tr"
+
+
 def test_a_thunderproxy_target_keeps_its_audit_records(agents_workload: Workload) -> None:
     result = virtual.run(agents_workload, tight(agents_workload), "tr")
     steps = [r for r in result.audit_records if isinstance(r, StepRecord)]

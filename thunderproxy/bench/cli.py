@@ -73,6 +73,13 @@ def _progress_factory(enabled: bool | None) -> Any:
     help="KV capacity of each simulated backend, in tokens (default: the profile's).",
 )
 @click.option(
+    "--offload-tokens",
+    type=int,
+    default=None,
+    help="CPU KV tier of each backend of the offloading targets (offload, tr+offload, ...), "
+    "in tokens (default: 4x the GPU KV). --sim kv_offloading_tokens=N gives every target one.",
+)
+@click.option(
     "--backends",
     "n_backends",
     default=1,
@@ -166,6 +173,7 @@ def bench_command(
     virtual: bool,
     time_scale: float,
     kv_tokens: int | None,
+    offload_tokens: int | None,
     n_backends: int,
     backend_ports: str,
     profile: str,
@@ -198,6 +206,7 @@ def bench_command(
           --kv-tokens 425000
       thunderproxy bench --target default,tr --concurrency 8 --programs 16 --time-scale 0.1
       thunderproxy bench --virtual --target default,tr --sweep 16,32,64,128 --kv-tokens 850000
+      thunderproxy bench --virtual --target tr,offload,tr+offload --kv-tokens 80000
       thunderproxy bench --trace mooncake --virtual --programs 600 --target direct,tr
       thunderproxy bench --target http://127.0.0.1:9000 --backend-ports 8001
       thunderproxy bench --overhead --target default,tr
@@ -216,6 +225,7 @@ def bench_command(
             virtual=virtual,
             time_scale=time_scale,
             kv_tokens=kv_tokens,
+            offload_tokens=offload_tokens,
             backends=n_backends,
             backend_ports=parse_int_list(backend_ports, flag="--backend-ports"),
             profile=profile,

@@ -16,9 +16,32 @@ from .agent import ARRIVALS, Schedule
 from .workload import Workload
 
 #: Targets the bench runs itself; anything starting with http(s):// is an external proxy.
-TARGETS = ("direct", "default", "tr", "oracle")
+TARGETS = ("direct", "default", "tr", "oracle", "offload")
+#: A target name ending in this runs over backends with a CPU KV tier (``tr+offload``);
+#: ``offload`` alone is ``direct+offload``.
+OFFLOAD_SUFFIX = "+offload"
 #: thunderproxy targets: the router each one runs.
-PROXY_ROUTERS = {"default": "default", "tr": "tr"}
+PROXY_ROUTERS = {
+    "default": "default",
+    "tr": "tr",
+    "default" + OFFLOAD_SUFFIX: "default",
+    "tr" + OFFLOAD_SUFFIX: "tr",
+}
+#: The CPU tier of offloading targets, in multiples of the GPU KV (without ``--offload-tokens``).
+DEFAULT_OFFLOAD_RATIO = 4
+
+
+def base_target(target: str) -> str:
+    """The target without its CPU tier: ``tr+offload`` -> ``tr``, ``offload`` -> ``direct``."""
+    if target == "offload":
+        return "direct"
+    return target.removesuffix(OFFLOAD_SUFFIX)
+
+
+def offloads(target: str) -> bool:
+    return target == "offload" or target.endswith(OFFLOAD_SUFFIX)
+
+
 #: thunderproxy settings in seconds: scaled by the time scale in real-time runs, so that the
 #: proxy's cooldowns and intervals stay the same in simulated seconds.
 TIME_SETTINGS = (
@@ -43,13 +66,20 @@ def parse_targets(value: str | Sequence[str]) -> tuple[str, ...]:
         item = raw.strip().rstrip("/")
         if not item:
             continue
-        if item not in TARGETS and not item.startswith(("http://", "https://")):
+        # Any own target but ``offload`` itself may take the suffix.
+        known = item in TARGETS or (
+            item.endswith(OFFLOAD_SUFFIX) and base_target(item) in TARGETS[:-1]
+        )
+        if not known and not item.startswith(("http://", "https://")):
             raise ConfigError(
-                f"--target {item!r} is not one of {', '.join(TARGETS)} or an http(s) URL."
+                f"--target {item!r} is not one of {', '.join(TARGETS)} (optionally with "
+                f"{OFFLOAD_SUFFIX}) or an http(s) URL."
             )
         targets.append(item)
     if not targets:
-        raise ConfigError("--target needs at least one of direct, default, tr, oracle or a URL.")
+        raise ConfigError(
+            "--target needs at least one of direct, default, tr, oracle, offload or a URL."
+        )
     return tuple(targets)
 
 
@@ -155,6 +185,8 @@ class BenchConfig:
     time_scale: float = 0.1
     #: KV capacity of each simulated backend in tokens (None: the timing profile's).
     kv_tokens: int | None = None
+    #: CPU KV tier of each backend of an offloading target, in tokens (None: 4x the GPU's).
+    offload_tokens: int | None = None
     backends: int = 1
     backend_ports: tuple[int, ...] = ()
     profile: str = DEFAULT_PROFILE
@@ -190,11 +222,15 @@ class BenchConfig:
             raise ConfigError(f"--arrivals {self.arrivals!r} is not one of {', '.join(ARRIVALS)}.")
         if self.arrivals == "poisson" and self.rate <= 0:
             raise ConfigError("--arrivals poisson needs --rate (programs per simulated second).")
-        if self.virtual and any(t not in TARGETS for t in self.targets):
+        urls = [t for t in self.targets if t.startswith(("http://", "https://"))]
+        if self.virtual and urls:
             raise ConfigError(
                 "--virtual runs the scheduler in-process; an external proxy URL can only be "
                 "benchmarked in real time (drop --virtual)."
             )
+        if not self.virtual and any(offloads(t) for t in self.targets):
+            # Real-time runs reconfigure backends with their KV size only, not a CPU tier.
+            raise ConfigError("offloading targets (offload, X+offload) run with --virtual only.")
 
     @property
     def clock(self) -> str:
@@ -203,7 +239,7 @@ class BenchConfig:
     def kv_for(self, workload: Workload, target: str) -> int:
         """KV tokens of each backend for a target: the oracle's holds everything ever computed."""
         base = self.kv_tokens or PROFILES[self.profile].kv_capacity_tokens
-        if target != "oracle":
+        if base_target(target) != "oracle":
             return base
         return max(base, int(workload.no_eviction_tokens() * 1.05) + 65_536)
 
@@ -211,9 +247,21 @@ class BenchConfig:
         need = workload.max_context_tokens + 4_096
         return max(32_768, -(-need // 4_096) * 4_096)
 
+    def cpu_tier_tokens(self, workload: Workload, target: str) -> int | None:
+        """The CPU tier of ``target``'s backends in tokens; None: not an offloading target."""
+        if not offloads(target):
+            return None
+        if self.offload_tokens is not None:
+            return self.offload_tokens
+        return DEFAULT_OFFLOAD_RATIO * self.kv_for(workload, target)
+
     def sim_config(self, workload: Workload, target: str, *, time_scale: float) -> SimConfig:
+        knobs = dict(self.sim_settings)
+        tier = self.cpu_tier_tokens(workload, target)
+        if tier is not None:
+            knobs["kv_offloading_tokens"] = tier
         return SimConfig(
-            **self.sim_settings,
+            **knobs,
             served_model_name=self.model,
             profile=self.profile,
             kv_capacity_tokens=self.kv_for(workload, target),

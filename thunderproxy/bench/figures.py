@@ -22,6 +22,8 @@ TRUTH_COUNTERS = (
     "prompt_tokens",
     "generation_tokens",
     "steps",
+    "cpu_hit_tokens",
+    "cpu_loads",
 )
 
 #: Every figure, in table order, with its unit and how the summary table prints it.
@@ -32,8 +34,10 @@ KEYS: tuple[tuple[str, str, str], ...] = (
     ("programs_total", "programs in the workload", "{:d}"),
     ("steps_completed", "calls that succeeded", "{:d}"),
     ("output_tokens_per_s", "decoded tokens per simulated second", "{:.0f}"),
-    ("prefix_hit_rate", "prefix-cache hits / queried prompt tokens (simulator truth)", "{:.3f}"),
+    ("prefix_hit_rate", "prefix hits (GPU and CPU tier) / queried prompt tokens (truth)", "{:.3f}"),
     ("prefill_tokens", "prompt tokens computed on first schedule (queries - hits)", "{:,d}"),
+    ("cpu_hit_tokens", "prompt tokens first schedules loaded from the CPU tier (truth)", "{:,d}"),
+    ("cpu_loads", "blocks loaded from the CPU tier, reloads after preemption included", "{:,d}"),
     ("evicted_prefix_tokens", "tokens a call could have hit (its own history) but missed", "{:,d}"),
     ("recomputed_prefill_tokens", "tokens computed again after preemption (truth)", "{:,d}"),
     ("preemptions", "engine preemptions (truth)", "{:,d}"),
@@ -97,7 +101,9 @@ def compute(
     busy_steps = sum(1 for t in ends if t <= busy_end)
     busy = (busy_end - start) / scale
     queries = truth.get("prefix_queries", 0)
-    hits = truth.get("prefix_hits", 0)
+    # A CPU-tier hit is loaded, not computed: it counts as a hit like vLLM's cached_tokens.
+    cpu_hits = truth.get("cpu_hit_tokens", 0)
+    hits = truth.get("prefix_hits", 0) + cpu_hits
     latencies = [(s.finished_at - s.sent_at) / scale for s in ok]
     ttfts = [(s.first_token_at - s.sent_at) / scale for s in ok if s.first_token_at is not None]
     times = [(p.finished_at - p.arrived_at) / scale for p in done if p.finished_at is not None]
@@ -120,6 +126,8 @@ def compute(
         "output_tokens_per_s": completion / duration if duration > 0 else 0.0,
         "prefix_hit_rate": hits / queries if queries else None,
         "prefill_tokens": int(queries - hits),
+        "cpu_hit_tokens": int(cpu_hits),
+        "cpu_loads": int(truth.get("cpu_loads", 0)),
         "evicted_prefix_tokens": evicted,
         "recomputed_prefill_tokens": int(truth.get("recomputed_prefill_tokens", 0)),
         "preemptions": int(truth.get("preemptions", 0)),

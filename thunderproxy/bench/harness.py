@@ -18,7 +18,7 @@ import trio
 from .. import __version__
 from . import figures, realtime, store, virtual
 from .agent import ungrouped_errors
-from .config import BenchConfig
+from .config import BenchConfig, offloads
 from .progress import ProgressBar
 from .traces import load_workload
 from .virtual import TargetResult
@@ -83,7 +83,19 @@ class BenchReport:
         return doc
 
     def table(self) -> str:
-        return figures.table(self.summaries(), keys=SUMMARY_KEYS)
+        keys: tuple[str, ...] = SUMMARY_KEYS
+        if self.has_cpu_tier():
+            # The CPU tier's rows only where some backend has one: elsewhere they are all 0.
+            at = keys.index("prefix_hit_rate") + 1
+            keys = (*keys[:at], "cpu_hit_tokens", "cpu_loads", *keys[at:])
+        return figures.table(self.summaries(), keys=keys)
+
+    def has_cpu_tier(self) -> bool:
+        config = self.config
+        knobs = config.sim_settings
+        return any(offloads(t) for t in config.targets) or bool(
+            knobs.get("kv_offloading_tokens") or knobs.get("kv_offloading_size")
+        )
 
 
 def code_version() -> str:

@@ -41,6 +41,9 @@ class TimingProfile:
     # Frontend cost per prompt token (tokenization, template rendering) before a request
     # reaches the engine; 0 in the §5 profiles, which model the GPU only.
     c_prep_us: float = 0.0
+    # KV bytes one token takes over all layers and TP ranks (2 x layers x KV heads x
+    # head dim x dtype bytes); sizes the CPU tier and its transfers.
+    kv_bytes_per_token: int = 131_072
 
 
 def _profile(
@@ -54,10 +57,11 @@ def _profile(
     kv_capacity_tokens: int,
     description: str,
     c_prep_us: float = 0.0,
+    kv_bytes_per_token: int = 131_072,
 ) -> TimingProfile:
     return TimingProfile(
         name, t_fixed_ms, t_w_ms, c_tok_us, n0, c_kv_ns, c_attn_ns, kv_capacity_tokens,
-        description=description, c_prep_us=c_prep_us,
+        description=description, c_prep_us=c_prep_us, kv_bytes_per_token=kv_bytes_per_token,
     )  # fmt: skip
 
 
@@ -65,18 +69,20 @@ PROFILES: dict[str, TimingProfile] = {
     p.name: p
     for p in (
         # name          t_fixed  t_w  c_tok  n0   c_kv  c_attn  KV tokens
+        # KV bytes/token = 2 (K,V) x layers x KV heads x head dim x 2 (BF16 cache).
         _profile("h100-8b",    0.8,  5.7, 24.0, 128, 50.0, 1.3,   432_000,
-                 "Llama-3.1-8B BF16 on one H100"),
+                 "Llama-3.1-8B BF16 on one H100", kv_bytes_per_token=2 * 32 * 8 * 128 * 2),
         _profile("h100x2-32b", 1.0, 15.0, 55.0, 128, 50.0, 1.6,   310_000,
-                 "Qwen2.5-32B BF16, TP2 on H100"),
+                 "Qwen2.5-32B BF16, TP2 on H100", kv_bytes_per_token=2 * 64 * 8 * 128 * 2),
         _profile("h100x4-70b", 1.0, 20.0, 58.0, 128, 31.0, 1.6,   450_000,
-                 "Llama-3.1-70B BF16, TP4 on H100"),
+                 "Llama-3.1-70B BF16, TP4 on H100", kv_bytes_per_token=2 * 80 * 8 * 128 * 2),
         _profile("h100x8-70b", 1.0, 13.0, 33.0, 128, 16.0, 0.8, 1_300_000,
-                 "Llama-3.1-70B BF16, TP8 on H100"),
+                 "Llama-3.1-70B BF16, TP8 on H100", kv_bytes_per_token=2 * 80 * 8 * 128 * 2),
         # Fitted by `python -m thunderproxy.sim.calibrate` to the ThunderAgent SWE-agent
         # runs (GLM-4.5-FP8 on vLLM at 1/4/32 agents); docs/SIMULATOR.md has the fit.
         _profile("glm45-swe",  2.0, 14.2, 16.9, 128, 80.0, 1.4, 1_500_000,
-                 "fitted to ../shared/traces/thunderagent_* (GLM-4.5-FP8)", c_prep_us=5.3),
+                 "fitted to ../shared/traces/thunderagent_* (GLM-4.5-FP8)", c_prep_us=5.3,
+                 kv_bytes_per_token=2 * 92 * 8 * 128 * 2),
     )
 }  # fmt: skip
 
@@ -142,6 +148,28 @@ class SimConfig:
     )
     enable_prefix_caching: bool = _knob(
         True, "Automatic prefix caching.", group="engine", negatable=True
+    )
+    kv_offloading_size: float = _knob(
+        0.0,
+        "CPU KV tier in GiB, over all TP ranks, as vLLM's --kv-offloading-size (native "
+        "backend); blocks = GiB * 2**30 // (kv_bytes_per_token * block_size). 0: no tier.",
+        group="offload",
+    )
+    kv_offloading_tokens: int | None = _knob(
+        None,
+        "CPU KV tier in tokens (overrides kv_offloading_size; rounded down to blocks).",
+        group="offload",
+    )
+    kv_bytes_per_token: int | None = _knob(
+        None, "KV bytes per token, all layers (default: the profile's).", group="offload"
+    )
+    kv_offload_bandwidth_gbps: float = _knob(
+        25.0,
+        "CPU<->GPU copy bandwidth in GB/s per direction (PCIe 4.0 x16 achieves about 25).",
+        group="offload",
+    )
+    kv_offload_latency_us: float = _knob(
+        20.0, "Fixed cost of one transfer (µs): launch and synchronisation.", group="offload"
     )
     max_num_queued_reqs: int | None = _knob(
         None, "Reject with 503 when this many requests already wait.", group="engine"
@@ -252,6 +280,10 @@ class SimConfig:
                 raise ValueError(f"fail type {kind!r} is not one of {FAULT_TYPES}")
         if self.resolved_num_gpu_blocks() < 2:
             raise ValueError("the KV pool needs at least 2 blocks (one is the null block)")
+        if self.kv_offloading_size < 0 or (self.kv_offloading_tokens or 0) < 0:
+            raise ValueError("the CPU KV tier cannot have a negative size")
+        if self.kv_offload_bandwidth_gbps <= 0:
+            raise ValueError("kv_offload_bandwidth_gbps must be > 0")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
@@ -290,6 +322,19 @@ class SimConfig:
         """Every name a request may ask for: ``served_model_name`` first, then the extra ones."""
         extra = (n.strip() for n in self.extra_served_model_names.split(","))
         return (self.served_model_name, *(n for n in extra if n and n != self.served_model_name))
+
+    def resolved_kv_bytes_per_token(self) -> int:
+        if self.kv_bytes_per_token is not None:
+            return self.kv_bytes_per_token
+        return PROFILES[self.profile].kv_bytes_per_token
+
+    def resolved_num_cpu_blocks(self) -> int:
+        """Blocks of the CPU tier (0: no tier), from tokens or else from GiB like vLLM."""
+        bs = self.resolved_block_size()
+        if self.kv_offloading_tokens is not None:
+            return self.kv_offloading_tokens // bs
+        size = int(self.kv_offloading_size * 2**30)
+        return size // (self.resolved_kv_bytes_per_token() * bs)
 
     def fault_types(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.fail_types.split(",") if t.strip())

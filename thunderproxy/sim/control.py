@@ -19,6 +19,9 @@ STRUCTURAL = {
     "block_size", "num_gpu_blocks", "kv_capacity_tokens", "max_model_len", "vocab_size",
     "chars_per_token", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
     "long_prefill_token_threshold", "scheduling_policy", "profile", "personality",
+    # The CPU tier is built with the engine; its transfer costs are fixed then too.
+    "kv_offloading_size", "kv_offloading_tokens", "kv_bytes_per_token",
+    "kv_offload_bandwidth_gbps", "kv_offload_latency_us",
 }  # fmt: skip
 
 

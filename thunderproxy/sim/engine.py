@@ -20,6 +20,7 @@ import trio
 from .blocks import BlockPool
 from .config import SimConfig
 from .metrics import Recorder
+from .offload import CPUTier
 from .scheduler import Scheduler, SimRequest, Status, StepPlan, StepResult
 from .timing import batch_shape, step_seconds
 from .tokenizer import TextGenerator, Tokenizer
@@ -125,8 +126,19 @@ class Engine:
         self.pool = BlockPool(
             cfg.resolved_num_gpu_blocks(), enable_caching=cfg.enable_prefix_caching
         )
+        cpu_blocks = cfg.resolved_num_cpu_blocks()
+        self.cpu: CPUTier | None = None
+        if cpu_blocks > 0:
+            self.cpu = CPUTier(
+                cpu_blocks,
+                block_size=self.block_size,
+                bytes_per_block=cfg.resolved_kv_bytes_per_token() * self.block_size,
+                bandwidth_bytes_per_s=cfg.kv_offload_bandwidth_gbps * 1e9,
+                latency_s=cfg.kv_offload_latency_us * 1e-6,
+            )
         self.scheduler = Scheduler(
             self.pool,
+            cpu=self.cpu,
             block_size=self.block_size,
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
@@ -311,6 +323,16 @@ class Engine:
             start_sim = self.now()
             plan = sched.schedule(start_sim)
             if not plan.scheduled:
+                landing = sched.next_load_ready()
+                if landing is not None:
+                    # Only CPU loads are under way: idle until one lands (or a submit).
+                    with trio.move_on_at(self._origin + landing * self.config.time_scale):
+                        await self._wakeup.wait()
+                    self._wakeup = trio.Event()
+                    nominal = mark = trio.current_time()
+                    continue
+                if not sched.running and sched.release_landed():
+                    continue
                 self._fail_unschedulable()
                 await trio.lowlevel.checkpoint()
                 continue
@@ -324,7 +346,7 @@ class Engine:
                 continue  # reset() while the step ran: its results belong to nobody
             self._account_clock(dt, mark, end, nominal)
             mark = end
-            results = sched.complete_step(plan)
+            results = sched.complete_step(plan, self.now())
             self._record_step(plan, start_sim, dt)
             self._emit(results, self.now())
 

@@ -138,19 +138,26 @@ def render_vllm(engine: Engine) -> str:
                     "GPU prefix cache hits, in terms of number of cached blocks.",
                     [(base, stats.prefix_hits_blocks)])  # fmt: skip
     if newest:
-        for kind in ("queries", "hits"):
-            exp.counter(f"vllm:external_prefix_cache_{kind}",
-                        f"External prefix cache {kind} (always 0 here).", [(base, 0)])  # fmt: skip
+        exp.counter("vllm:external_prefix_cache_queries",
+                    "External prefix cache queries from KV connector cross-instance cache "
+                    "sharing, in terms of number of queried tokens.",
+                    [(base, stats.external_queries)])  # fmt: skip
+        exp.counter("vllm:external_prefix_cache_hits",
+                    "External prefix cache hits from KV connector cross-instance cache "
+                    "sharing, in terms of number of cached tokens.",
+                    [(base, stats.external_hits)])  # fmt: skip
     exp.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                 [(base, stats.preemptions)])  # fmt: skip
     exp.counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
                 [(base, stats.prompt_tokens)])  # fmt: skip
     if newest:
         computed = stats.prompt_tokens - stats.prompt_tokens_cached
+        local_hit = stats.prompt_tokens_cached - stats.prompt_tokens_external
         exp.counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
                     [({**base, "source": "local_compute"}, computed),
-                     ({**base, "source": "local_cache_hit"}, stats.prompt_tokens_cached),
-                     ({**base, "source": "external_kv_transfer"}, 0)])  # fmt: skip
+                     ({**base, "source": "local_cache_hit"}, local_hit),
+                     ({**base, "source": "external_kv_transfer"},
+                      stats.prompt_tokens_external)])  # fmt: skip
         exp.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens.",
                     [(base, stats.prompt_tokens_cached)])  # fmt: skip
     exp.counter("vllm:generation_tokens", "Number of generation tokens processed.",
@@ -203,6 +210,18 @@ def render_vllm(engine: Engine) -> str:
         hist("vllm:request_prefill_kv_computed_tokens",
              "Prompt tokens computed (not cached) per request.", base,
              rec.prefill_kv_computed)  # fmt: skip
+    cpu = engine.cpu
+    if cpu is not None and compat in ("0.11", "current"):
+        # The native OffloadingConnector's families; they exist only with a connector.
+        kinds = ("CPU_to_GPU", "GPU_to_CPU")
+        exp.counter("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector",
+                    [({**base, "transfer_type": k}, cpu.bytes[k]) for k in kinds])  # fmt: skip
+        exp.counter("vllm:kv_offload_total_time", "Total time measured by all KV offloading "
+                    "operations", [({**base, "transfer_type": k}, cpu.seconds[k])
+                                   for k in kinds])  # fmt: skip
+        for k in kinds:
+            hist("vllm:kv_offload_size", "Histogram of KV offload transfer size, in bytes.",
+                 {**base, "transfer_type": k}, cpu.sizes[k])  # fmt: skip
     exp.gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               [(cache_config_labels(engine), 1)])  # fmt: skip
     return exp.text()
@@ -217,7 +236,7 @@ def cache_config_labels(engine: Engine) -> dict[str, str]:
         "cache_dtype": "auto",
         "enable_prefix_caching": str(cfg.enable_prefix_caching),
         "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
-        "num_cpu_blocks": "None",
+        "num_cpu_blocks": "None" if engine.cpu is None else str(engine.cpu.num_blocks),
         "num_gpu_blocks": str(blocks),
         "num_gpu_blocks_override": "None" if cfg.num_gpu_blocks is None else str(blocks),
         "prefix_caching_hash_algo": "sha256",
@@ -225,6 +244,9 @@ def cache_config_labels(engine: Engine) -> dict[str, str]:
     }
     if cfg.compat != "0.8":
         labels["engine"] = "0"
+    if engine.cpu is not None and cfg.compat in ("0.11", "current"):
+        labels["kv_offloading_backend"] = "native"
+        labels["kv_offloading_size"] = str(cfg.kv_offloading_size)
     if cfg.compat == "current":
         labels["kv_cache_size_tokens"] = str(blocks * bs)
         labels["kv_cache_max_concurrency"] = str(blocks * bs / cfg.max_model_len)
@@ -269,9 +291,11 @@ def render_sglang(engine: Engine) -> str:
     c("sglang:prompt_tokens", "Number of prefill tokens processed.", [(base, stats.prompt_tokens)])
     c("sglang:generation_tokens", "Number of generation tokens processed.",
       [(base, stats.generation_tokens)])  # fmt: skip
+    # A CPU tier plays SGLang's HiCache host tier here.
+    by_source = {"device": stats.prompt_tokens_cached - stats.prompt_tokens_external,
+                 "host": stats.prompt_tokens_external, "storage": 0}  # fmt: skip
     c("sglang:cached_tokens", "Prompt tokens served from the cache.",
-      [({**base, "cache_source": s}, stats.prompt_tokens_cached if s == "device" else 0)
-       for s in ("device", "host", "storage")])  # fmt: skip
+      [({**base, "cache_source": s}, n) for s, n in by_source.items()])  # fmt: skip
     c("sglang:num_requests", "Number of finished requests.", [(base, sum(rec.finished.values()))])
     c("sglang:num_retracted_requests", "Number of retracted requests.",
       [(base, stats.preemptions)])  # fmt: skip
@@ -315,6 +339,21 @@ def render_truth(engine: Engine) -> str:
     exp.counter("thundersim:program_preemptions", "Preemptions by program.",
                 [({**base, "program": p}, n)
                  for p, n in sorted(stats.preemptions_by_program.items())])  # fmt: skip
+    cpu = engine.cpu
+    if cpu is not None:
+        exp.gauge("thundersim:cpu_tier_blocks", "Blocks held by the CPU KV tier.",
+                  [(base, len(cpu))])  # fmt: skip
+        for name, value, what in (
+            (
+                "cpu_tier_hits",
+                stats.external_hits // engine.block_size,
+                "Blocks first schedules found in the CPU tier.",
+            ),
+            ("cpu_tier_loads", cpu.loaded, "Blocks loaded from the CPU tier."),
+            ("cpu_tier_stores", cpu.stored, "Blocks stored into the CPU tier."),
+            ("cpu_tier_evictions", cpu.evicted, "Blocks evicted from the CPU tier."),
+        ):
+            exp.counter(f"thundersim:{name}", what, [(base, value)])
     exp.counter("thundersim:steps", "Engine steps run.", [(base, stats.steps)])
     exp.counter("thundersim:busy_seconds", "Simulated seconds spent in steps.",
                 [(base, rec.busy_sim_seconds)])  # fmt: skip

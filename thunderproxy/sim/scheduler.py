@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .blocks import BlockPool, KVBlock, block_hashes, salt_key
+from .offload import CPUTier
 
 
 class Status(enum.Enum):
@@ -50,6 +51,12 @@ class SimRequest:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # CPU tier: when the blocks being loaded land (None: not loading), their hashes, the
+    # tokens the first schedule got from the tier, and how many blocks were offered to it.
+    load_ready: float | None = None
+    load_hashes: list[int] = field(default_factory=list)
+    num_external_tokens: int = 0
+    num_offered_blocks: int = 0
     # Kept as plain attributes: the step loop reads them for every request every step.
     num_prompt_tokens: int = 0
     num_tokens: int = 0
@@ -116,7 +123,10 @@ class SchedulerStats:
     prefix_hits_blocks: int = 0
     preemptions: int = 0
     prompt_tokens: int = 0
-    prompt_tokens_cached: int = 0
+    prompt_tokens_cached: int = 0  # local and external (CPU tier) hits
+    prompt_tokens_external: int = 0
+    external_queries: int = 0  # tokens, first schedule only, with a CPU tier
+    external_hits: int = 0
     generation_tokens: int = 0
     recomputed_prefill_tokens: int = 0
     steps: int = 0
@@ -135,8 +145,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
+        cpu: CPUTier | None = None,
     ) -> None:
         self.pool = pool
+        self.cpu = cpu
+        self.loading: list[SimRequest] = []  # waiting requests whose CPU load is under way
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -166,12 +179,21 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if request.load_ready is not None:
+            self.loading.remove(request)
+            self._end_load(request)
         self._free(request)
         request.status = Status.FINISHED
         request.finish_reason = "abort"
 
     # --- one engine step ---------------------------------------------------------------
+    def next_load_ready(self) -> float | None:
+        """When the earliest CPU->GPU load under way lands; None when none is."""
+        return min((r.load_ready for r in self.loading if r.load_ready is not None), default=None)
+
     def schedule(self, now: float) -> StepPlan:
+        if self.loading:
+            self._finish_loads(now)
         budget = self.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted: list[SimRequest] = []
@@ -206,9 +228,23 @@ class Scheduler:
         # A step that had to preempt admits nobody: the pool is already too tight.
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self._peek_waiting()
-                hits = self._lookup(req)
-                computed = len(hits) * self.block_size
+                head = self._peek_waiting()
+                if head is None:
+                    break  # everyone waiting is waiting for a CPU load
+                req = head
+                if req.blocks:
+                    # Its CPU load landed: blocks and computed tokens are already in place.
+                    hits = []
+                    computed = req.num_computed_tokens
+                else:
+                    hits = self._lookup(req)
+                    computed = len(hits) * self.block_size
+                    if self.cpu is not None and self.pool.enable_caching:
+                        started = self._start_load(req, hits, now)
+                        if started is None:
+                            break  # no GPU blocks to load into
+                        if started:
+                            continue  # it waits for its load; vLLM looks at the next one
                 num_new = self._cap(req, req.num_tokens - computed, budget, computed=computed)
                 if num_new <= 0 or not self._allocate(req, num_new, hits):
                     break
@@ -221,8 +257,11 @@ class Scheduler:
                 budget -= num_new
         return StepPlan(scheduled, preempted)
 
-    def complete_step(self, plan: StepPlan) -> list[StepResult]:
-        """Advance computed tokens, sample where a request has caught up, free finishers."""
+    def complete_step(self, plan: StepPlan, now: float = 0.0) -> list[StepResult]:
+        """Advance computed tokens, sample where a request has caught up, free finishers.
+
+        `now` (the step's end) times the CPU tier's stores; without a tier it is unused.
+        """
         self.stats.steps += 1
         results = []
         for item in plan.scheduled:
@@ -231,6 +270,8 @@ class Scheduler:
                 continue
             before = req.num_computed_tokens
             req.num_computed_tokens = after = before + item.num_new
+            if self.cpu is not None and self.pool.enable_caching:
+                self._offer_to_cpu(req, after, now)
             if before < req.max_computed:
                 redone = min(after, req.max_computed) - before
                 self.stats.recomputed_prefill_tokens += redone
@@ -263,10 +304,15 @@ class Scheduler:
         is_decode = num_new == 1 and start >= req.num_prompt_tokens
         return Scheduled(req, num_new, start, is_decode)
 
-    def _peek_waiting(self) -> SimRequest:
+    def _peek_waiting(self) -> SimRequest | None:
+        ready: Sequence[SimRequest] = self.waiting
+        if self.loading:
+            ready = [r for r in self.waiting if r.load_ready is None]
+            if not ready:
+                return None
         if self.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return self.waiting[0]
+            return min(ready, key=lambda r: (r.priority, r.arrival_time))
+        return ready[0]
 
     def _pick_victim(self) -> SimRequest:
         if self.policy == "priority":
@@ -280,6 +326,80 @@ class Scheduler:
         max_blocks = (req.num_tokens - 1) // self.block_size
         req.ensure_hashes(max_blocks, self.block_size)
         return self.pool.find_prefix(req.block_hashes, max_blocks)
+
+    # --- the CPU tier --------------------------------------------------------------------
+    def _start_load(self, req: SimRequest, hits: list[KVBlock], now: float) -> bool | None:
+        """Load the blocks after the GPU hit that the CPU tier holds, as vLLM's connector
+        does asynchronously: the request holds GPU blocks for them and is skipped until the
+        transfer lands. False: nothing to load; None: not enough free GPU blocks."""
+        cpu = self.cpu
+        assert cpu is not None
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        wanted = req.block_hashes[:max_blocks]
+        # vLLM touches every block of the request on each lookup, hit or not.
+        cpu.touch(wanted)
+        n = cpu.lookup(wanted[len(hits) :], now)
+        if n == 0:
+            return False
+        # New blocks for the loaded part only; free hit blocks are about to leave the queue.
+        available = self.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
+        if n > available:
+            return None
+        if hits:
+            self.pool.touch(hits, req.program)
+        req.blocks = list(hits) + self.pool.get_new_blocks(n, req.program)
+        req.num_cached_blocks = len(hits)
+        req.num_computed_tokens = len(hits) * self.block_size
+        req.load_hashes = wanted[len(hits) : len(hits) + n]
+        req.load_ready = cpu.load(req.load_hashes, now)
+        if req.num_cached_tokens < 0:
+            req.num_external_tokens = n * self.block_size
+        self.loading.append(req)
+        return True
+
+    def release_landed(self) -> bool:
+        """Free the blocks of waiting requests whose load landed but that could not start.
+
+        For an engine where nothing runs and nothing can be admitted: such requests hold
+        blocks that the head of the queue needs, and would wait for each other forever. Their
+        loaded blocks stay cached, so a later lookup finds them on the GPU if they survive.
+        """
+        stalled = [r for r in self.waiting if r.blocks and r.load_ready is None]
+        for req in stalled:
+            self._free(req)
+            req.num_computed_tokens = 0
+            req.num_cached_blocks = 0
+        return bool(stalled)
+
+    def _finish_loads(self, now: float) -> None:
+        # A nanosecond of slack: the engine wakes at the landing time converted to trio
+        # time and back, which may round to just before it.
+        due = now + 1e-9
+        landed = [r for r in self.loading if r.load_ready is not None and r.load_ready <= due]
+        for req in landed:
+            self.loading.remove(req)
+            self._end_load(req)
+            req.num_computed_tokens = len(req.blocks) * self.block_size
+            # vLLM registers loaded blocks in the GPU prefix cache once they have landed.
+            self._cache_full_blocks(req, req.num_computed_tokens)
+            req.max_computed = max(req.max_computed, req.num_computed_tokens)
+
+    def _end_load(self, req: SimRequest) -> None:
+        assert self.cpu is not None
+        self.cpu.complete_load(req.load_hashes)
+        req.load_hashes = []
+        req.load_ready = None
+
+    def _offer_to_cpu(self, req: SimRequest, computed: int, now: float) -> None:
+        # Every full block is stored once it is computed (after the step's forward pass),
+        # not when the GPU evicts it; blocks the tier already has are skipped.
+        full = min(computed, req.num_tokens) // self.block_size
+        if full <= req.num_offered_blocks:
+            return
+        req.ensure_hashes(full, self.block_size)
+        assert self.cpu is not None
+        self.cpu.store(req.block_hashes[req.num_offered_blocks : full], now)
+        req.num_offered_blocks = full
 
     def _allocate(self, req: SimRequest, num_new: int, hits: Sequence[KVBlock]) -> bool:
         bs = self.block_size
@@ -316,14 +436,20 @@ class Scheduler:
             req.num_cached_blocks = full
 
     def _record_first_schedule(self, req: SimRequest, computed: int, now: float) -> None:
+        # Like vLLM, cached_tokens counts the connector's tokens; the prefix-cache
+        # counters count the GPU's own hits and the external_* ones the tier's.
         req.num_cached_tokens = computed
         req.first_scheduled_time = now
         if self.pool.enable_caching:
             stats = self.stats
+            local = computed - req.num_external_tokens
             stats.prefix_queries += req.num_tokens
-            stats.prefix_hits += computed
+            stats.prefix_hits += local
             stats.prefix_queries_blocks += req.num_tokens // self.block_size
-            stats.prefix_hits_blocks += computed // self.block_size
+            stats.prefix_hits_blocks += local // self.block_size
+            if self.cpu is not None:
+                stats.external_queries += req.num_tokens
+                stats.external_hits += req.num_external_tokens
 
     def _preempt(self, req: SimRequest, now: float) -> None:
         self._free(req)
@@ -354,6 +480,7 @@ class Scheduler:
         if n_out == 1:
             self.stats.prompt_tokens += req.num_prompt_tokens
             self.stats.prompt_tokens_cached += max(req.num_cached_tokens, 0)
+            self.stats.prompt_tokens_external += req.num_external_tokens
         self.stats.generation_tokens += 1
         return token_id, text
 

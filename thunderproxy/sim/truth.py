@@ -68,7 +68,13 @@ def state(engine: Engine, *, free_queue_sample: int = 16) -> dict[str, Any]:
             "generation_tokens": stats.generation_tokens,
             "recomputed_prefill_tokens": stats.recomputed_prefill_tokens,
             "steps": stats.steps,
+            # The CPU tier (0 without one): tokens first schedules got from it, blocks moved.
+            "cpu_hit_tokens": stats.external_hits,
+            "cpu_loads": 0 if engine.cpu is None else engine.cpu.loaded,
+            "cpu_stores": 0 if engine.cpu is None else engine.cpu.stored,
+            "cpu_evictions": 0 if engine.cpu is None else engine.cpu.evicted,
         },
+        "cpu_tier": cpu_tier(engine),
         "clock": {
             "time_scale": engine.config.time_scale,
             "busy_sim_seconds": rec.busy_sim_seconds,
@@ -77,6 +83,28 @@ def state(engine: Engine, *, free_queue_sample: int = 16) -> dict[str, Any]:
             "lag_seconds": rec.lag_seconds,
             "max_lag_seconds": rec.max_lag_seconds,
         },
+    }
+
+
+def cpu_tier(engine: Engine) -> dict[str, Any] | None:
+    """The CPU KV tier's counters, in blocks; None without a tier."""
+    cpu = engine.cpu
+    if cpu is None:
+        return None
+    return {
+        "num_blocks": cpu.num_blocks,
+        "used": len(cpu),
+        "loading_requests": len(engine.scheduler.loading),
+        # hits: blocks first schedules got from the tier; loads also count reloads after
+        # a preemption.
+        "hits": engine.scheduler.stats.external_hits // engine.block_size,
+        "loads": cpu.loaded,
+        "load_transfers": cpu.load_requests,
+        "stores": cpu.stored,
+        "store_skipped": cpu.store_skipped,
+        "evictions": cpu.evicted,
+        "bytes_loaded": cpu.bytes["CPU_to_GPU"],
+        "bytes_stored": cpu.bytes["GPU_to_CPU"],
     }
 
 
