@@ -53,13 +53,14 @@ class Scheduler:
         pool: BackendPool,
         audit: AuditLog,
         clock: Callable[[], float] = trio.current_time,
+        other_tokens: Callable[[str], int] | None = None,
     ) -> None:
         self.policy = policy
         self.registry = registry
         self.pool = pool
         self.audit = audit
         self._now = clock
-        self.source = ViewSource(registry, pool, policy.config)
+        self.source = ViewSource(registry, pool, policy.config, others=other_tokens)
         self._waiters = Waiters()
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
@@ -77,6 +78,10 @@ class Scheduler:
 
     def views(self) -> Views:
         return self.source.views(self._now())
+
+    def used_by_backend(self) -> dict[str, int]:
+        """The KV tokens this instance's programs claim on each backend now."""
+        return self.source.used_by_backend(self._now())
 
     # -- placement ------------------------------------------------------------------------------
 
