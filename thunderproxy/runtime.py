@@ -264,7 +264,11 @@ async def run(
             # backend from its capacity, and publishes its own claim.
             kv = (
                 SharedBackends(
-                    settings.redis, instance_name(settings), heartbeat_s=settings.redis_heartbeat
+                    settings.redis,
+                    instance_name(settings),
+                    heartbeat_s=settings.redis_heartbeat,
+                    # 0 (never retired): a day, so Redis does not keep every program for ever.
+                    affinity_ttl_s=settings.policy.idle_lease_s or 86_400.0,
                 )
                 if settings.redis
                 else None
@@ -275,6 +279,7 @@ async def run(
                 pool=pool,
                 audit=audit,
                 other_tokens=None if kv is None else kv.others,
+                affinity=kv,
             )
             if kv is not None:
                 await nursery.start(

@@ -291,12 +291,18 @@ class SharedBackends:
     are taken as zero after three heartbeats without an answer (each instance then schedules
     alone, as without Redis)."""
 
-    def __init__(self, url: str, instance: str, *, heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self, url: str, instance: str, *, heartbeat_s: float = 1.0, affinity_ttl_s: float = 600.0
+    ) -> None:
         import coredis
 
         self.url = redact_url(url)
         self.instance = instance
         self.heartbeat_s = heartbeat_s
+        #: How long a program's backend is remembered after its last call (the idle lease:
+        #: past it the program is retired everywhere, and its cache is anyone's to evict).
+        self.affinity_ttl_s = affinity_ttl_s
+        self._placed_send, self._placed_receive = trio.open_memory_channel[tuple[str, str]](10_000)
         self.client: Any = coredis.Redis.from_url(url, decode_responses=True)
         self._publish = self.client.register_script(PUBLISH_KV)
         self.reachable = False
@@ -346,6 +352,41 @@ class SharedBackends:
         self._others = {str(answer[i]): int(answer[i + 1]) for i in range(0, len(answer), 2)}
         self._others_at = trio.current_time()
 
+    async def backend_of(self, program_id: str) -> str | None:
+        """The backend another instance placed ``program_id`` on (it holds its cache), or None:
+        never placed, forgotten after the idle lease, or Redis away (placement then goes by
+        load, as without Redis)."""
+        if not self.reachable:
+            return None
+        try:
+            with trio.fail_after(COMMAND_TIMEOUT_S):
+                self.round_trips += 1
+                found: Any = await self.client.get(f"{KV_PREFIX}:affinity:{program_id}")
+        except (trio.TooSlowError, OSError, Exception) as exc:  # noqa: BLE001 - any failure: away
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return None
+        return None if found is None else str(found)
+
+    def placed(self, program_id: str, backend: str) -> None:
+        """Remember ``program_id`` -> ``backend`` for the idle lease; written off the call's
+        path (a queue), dropped while Redis is away."""
+        if not self.reachable:
+            return
+        try:
+            self._placed_send.send_nowait((program_id, backend))
+        except trio.WouldBlock:
+            log.warning("Redis affinity queue full; program %r's backend is not shared", program_id)
+
+    async def _placements(self) -> None:
+        ttl_ms = max(1, int(self.affinity_ttl_s * 1000))
+        async for program_id, backend in self._placed_receive:
+            try:
+                with trio.fail_after(COMMAND_TIMEOUT_S):
+                    self.round_trips += 1
+                    await self.client.set(f"{KV_PREFIX}:affinity:{program_id}", backend, px=ttl_ms)
+            except (trio.TooSlowError, OSError, Exception) as exc:  # noqa: BLE001
+                self.last_error = f"{type(exc).__name__}: {exc}"
+
     async def serve(
         self,
         offset: float,
@@ -355,8 +396,9 @@ class SharedBackends:
     ) -> None:
         """Publish ``mine()`` and read the others' every heartbeat until cancelled; ready after
         the first, whether or not Redis answered it."""
-        async with self.client:
+        async with self.client, trio.open_nursery() as nursery:
             await self.publish(mine(), trio.current_time() + offset)
+            nursery.start_soon(self._placements)
             task_status.started()
             while True:
                 await trio.sleep(self.heartbeat_s)

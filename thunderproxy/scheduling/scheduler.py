@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import trio
 
@@ -44,6 +45,14 @@ class StepLease:
     closed: bool = False
 
 
+class Affinity(Protocol):
+    """Where other instances placed programs (shared through Redis)."""
+
+    def backend_of(self, program_id: str) -> Awaitable[str | None]: ...
+
+    def placed(self, program_id: str, backend: str) -> None: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -54,6 +63,7 @@ class Scheduler:
         audit: AuditLog,
         clock: Callable[[], float] = trio.current_time,
         other_tokens: Callable[[str], int] | None = None,
+        affinity: Affinity | None = None,
     ) -> None:
         self.policy = policy
         self.registry = registry
@@ -61,6 +71,7 @@ class Scheduler:
         self.audit = audit
         self._now = clock
         self.source = ViewSource(registry, pool, policy.config, others=other_tokens)
+        self.affinity = affinity
         self._waiters = Waiters()
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
@@ -113,8 +124,13 @@ class Scheduler:
     ) -> StepLease:
         """Wait until ``program_id``'s call may go out, then lease it a backend of ``route``."""
         program = self.registry.find(program_id)
+        known = None
+        if program is None and self.affinity is not None:
+            # New here, but another instance may have run it: its cache is on that backend.
+            known = await self.affinity.backend_of(program_id)
+            program = self.registry.find(program_id)  # another call may have created it meanwhile
         if program is None:
-            program = self._admit(program_id, route, arrived_at, context_chars)
+            program = self._admit(program_id, route, arrived_at, context_chars, known)
         else:
             self._gate_return(program, arrived_at, context_chars)
         # A loop, not an if: between its resume and this task running again, a program could be
@@ -123,6 +139,8 @@ class Scheduler:
             await self._wait_for_resume(program, arrived_at)
         self.registry.set_waiting(program, None)
         node = self.place(program, route)
+        if self.affinity is not None:
+            self.affinity.placed(program_id, node.url)
         now = self._now()
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
         node.in_flight += 1
@@ -165,11 +183,17 @@ class Scheduler:
         return self._sizers.get(model) or PromptSizer()
 
     def _admit(
-        self, program_id: str, route: Route, arrived_at: float, context_chars: int
+        self,
+        program_id: str,
+        route: Route,
+        arrived_at: float,
+        context_chars: int,
+        known: str | None = None,
     ) -> Program:
-        """A program's first call: admitted as REASONING, or queued (PAUSED) by the policy."""
+        """A program's first call: admitted as REASONING, or queued (PAUSED) by the policy;
+        placed on ``known`` (where another instance ran it) while that backend is healthy."""
         estimate = self._sizer(route.requested).estimate(context_chars)
-        node = self._choose(program_id, None, route)
+        node = self._choose(program_id, known, route)
         now = self._now()
         candidate = ProgramView(
             program_id,
