@@ -424,6 +424,16 @@ class Settings:
             raise ConfigError("backends and backend_specs name different URLs; pass only one.")
         if not isinstance(self.aliases, FrozenMap):
             object.__setattr__(self, "aliases", FrozenMap(self.aliases))
+        if self.limits is not None and self.limits.backends:
+            known = {b.url for b in self.backend_specs} | {
+                b.name for b in self.backend_specs if b.name
+            }
+            for name in self.limits.backends:
+                if name not in known:
+                    raise ConfigError(
+                        f"limits.backends.{name}: no configured backend has this URL or name; "
+                        "name one of: " + (", ".join(sorted(known)) or "(none: add --backends)")
+                    )
         if bool(self.certfile) != bool(self.keyfile):
             raise ConfigError("--certfile and --keyfile go together; pass both or neither.")
 

@@ -302,7 +302,10 @@ async def run(
                     instance=instance,
                     offset=clock.unix(0.0),
                     shared=shared,
+                    place=scheduler.predict,
                 )
+                for spec in settings.backend_specs:
+                    admission.limiter.name_backend(spec.url, spec.name)
                 if shared is not None:
                     # The first heartbeat sets this instance's share before any call is admitted.
                     await nursery.start(

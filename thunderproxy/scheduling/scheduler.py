@@ -19,7 +19,7 @@ import trio
 
 from ..audit import AuditLog, DecisionRecord
 from ..backends import BackendNode, BackendPool, Route
-from ..errors import ProgramReleased, QueueFull
+from ..errors import ModelNotFound, NoBackendAvailable, ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
 from .learners import PromptSizer, program_estimate
 from .policies import Policy, Views
@@ -98,6 +98,17 @@ class Scheduler:
 
     def _choose(self, program_id: str, current: str | None, route: Route) -> BackendNode:
         return self.source.choose(program_id, current, route)
+
+    def predict(self, program_id: str, model: str) -> str | None:
+        """The backend a call of ``program_id`` to ``model`` would be leased now, without
+        placing it (None: no healthy backend serves the model)."""
+        program = self.registry.find(program_id)
+        try:
+            route = self.pool.route(model)
+            current = None if program is None else program.backend
+            return self._choose(program_id, current, route).url
+        except (ModelNotFound, NoBackendAvailable):
+            return None
 
     def place(self, program: Program, route: Route) -> BackendNode:
         """The program's backend: sticky while healthy, else the least loaded of its group."""
