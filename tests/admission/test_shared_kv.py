@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from tests.admission.conftest import RedisServer
@@ -27,7 +28,6 @@ from thunderproxy.sim import SimConfig, open_simulator
 
 SYSTEM = " ".join(f"rule{i} keep the repository tidy and answer briefly." for i in range(60))
 HEARTBEAT = 0.1
-AGENTS, STEPS = 16, 6
 
 
 def counter(text: str, name: str) -> float:
@@ -61,7 +61,7 @@ async def engine(sim_url: str) -> dict[str, float]:
     }
 
 
-async def coding_agent(client: httpx.AsyncClient, program_id: str) -> None:
+async def coding_agent(client: httpx.AsyncClient, program_id: str, steps: int) -> None:
     await agent(
         client,
         program_id,
@@ -69,12 +69,14 @@ async def coding_agent(client: httpx.AsyncClient, program_id: str) -> None:
         system=SYSTEM,
         task="fix the failing test " * 120,
         observation="ok line " * 150,
-        steps=STEPS,
+        steps=steps,
         tool_s=0.1,
     )
 
 
-async def drive(tmp_path: Path, instances: int, redis: str | None) -> dict[str, float]:
+async def drive(
+    tmp_path: Path, instances: int, redis: str | None, agents: int, steps: int
+) -> dict[str, float]:
     """Coding agents spread over ``instances`` serve processes in front of one small simulated
     KV; what the engine saw."""
     await trio.Path(tmp_path).mkdir()
@@ -91,10 +93,10 @@ async def drive(tmp_path: Path, instances: int, redis: str | None) -> dict[str, 
             procs.append((process, url))
             logs.start_soon(drain, process, tmp_path / f"i{i}.log")
         clients = [httpx.AsyncClient(base_url=url, timeout=60) for _, url in procs]
-        with trio.fail_after(60):
+        with trio.fail_after(60 * max(1, steps // 6)):
             async with trio.open_nursery() as nursery:
-                for a in range(AGENTS):
-                    nursery.start_soon(coding_agent, clients[a % instances], f"agent-{a}")
+                for a in range(agents):
+                    nursery.start_soon(coding_agent, clients[a % instances], f"agent-{a}", steps)
         for c in clients:
             await c.aclose()
         seen = await engine(sim.url)
@@ -103,13 +105,25 @@ async def drive(tmp_path: Path, instances: int, redis: str | None) -> dict[str, 
     return seen
 
 
-async def test_two_tr_instances_sharing_kv_keep_the_cache_as_one(
-    tmp_path: Path, redis_server: RedisServer
-) -> None:
-    one = await drive(tmp_path / "one", 1, None)
-    apart = await drive(tmp_path / "apart", 2, None)
-    shared = await drive(tmp_path / "shared", 2, redis_server.url)
-    print(json.dumps({"one": one, "apart": apart, "shared": shared}))
+async def compare(tmp_path: Path, redis: str, agents: int, steps: int) -> None:
+    one = await drive(tmp_path / "one", 1, None, agents, steps)
+    apart = await drive(tmp_path / "apart", 2, None, agents, steps)
+    shared = await drive(tmp_path / "shared", 2, redis, agents, steps)
+    seen = {"agents": agents, "steps": steps, "one": one, "apart": apart, "shared": shared}
+    print(json.dumps(seen))
     assert apart["hit_rate"] < one["hit_rate"] - 0.1, "the load does not overfill two instances"
     assert shared["hit_rate"] > apart["hit_rate"] + 0.1
     assert shared["hit_rate"] > one["hit_rate"] - 0.05
+
+
+async def test_two_tr_instances_sharing_kv_keep_the_cache_as_one(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    await compare(tmp_path, redis_server.url, agents=16, steps=6)
+
+
+@pytest.mark.slow
+async def test_the_same_with_more_agents_for_longer(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    await compare(tmp_path, redis_server.url, agents=32, steps=12)
