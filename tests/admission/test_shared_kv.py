@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import trio
 
 from tests.admission.conftest import RedisServer
@@ -120,10 +119,3 @@ async def test_two_tr_instances_sharing_kv_keep_the_cache_as_one(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     await compare(tmp_path, redis_server.url, agents=16, steps=6)
-
-
-@pytest.mark.slow
-async def test_the_same_with_more_agents_for_longer(
-    tmp_path: Path, redis_server: RedisServer
-) -> None:
-    await compare(tmp_path, redis_server.url, agents=32, steps=12)
