@@ -427,8 +427,9 @@ class Settings:
     )
     redis: str = setting(
         "",
-        "Redis URL (redis://host:6379/0) through which instances share [limits]: global window "
-        "counters, heartbeats, each instance's share; empty: limits are this instance's alone.",
+        "Redis URL (redis://host:6379/0) through which instances share [limits] (global window "
+        "counters, each instance's share) and the KV tokens their programs claim on each "
+        "backend; empty: limits and KV are this instance's alone.",
         secret=True,
     )
     redis_heartbeat: float = setting(
@@ -460,11 +461,16 @@ class Settings:
             raise ConfigError("backends and backend_specs name different URLs; pass only one.")
         if not isinstance(self.aliases, FrozenMap):
             object.__setattr__(self, "aliases", FrozenMap(self.aliases))
-        if self.redis and self.limits is None:
-            raise ConfigError(
-                "--redis shares rate limits between instances, but no [limits] section is "
-                "configured; add one to the --config file (docs/LIMITS.md) or drop --redis."
-            )
+        if self.limits is not None and self.limits.backends:
+            known = {b.url for b in self.backend_specs} | {
+                b.name for b in self.backend_specs if b.name
+            }
+            for name in self.limits.backends:
+                if name not in known:
+                    raise ConfigError(
+                        f"limits.backends.{name}: no configured backend has this URL or name; "
+                        "name one of: " + (", ".join(sorted(known)) or "(none: add --backends)")
+                    )
         if bool(self.certfile) != bool(self.keyfile):
             raise ConfigError("--certfile and --keyfile go together; pass both or neither.")
 

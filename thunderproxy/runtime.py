@@ -29,7 +29,7 @@ from hypercorn.trio import serve
 
 from . import __version__
 from .admission.service import AdmissionService, instance_name
-from .admission.shared import SharedLimits
+from .admission.shared import SharedBackends, SharedLimits
 from .audit import AuditLog, serve_audit_writer
 from .audit.records import TransitionRecord
 from .audit.writer import check_database_path
@@ -268,12 +268,33 @@ async def run(
             if settings.restore:
                 await _restore_programs(registry, settings.db, clock)
             profiles = Profiles()
+            # With Redis, tr subtracts what the other instances' programs claim on each
+            # backend from its capacity, and publishes its own claim.
+            kv = (
+                SharedBackends(
+                    settings.redis,
+                    instance_name(settings),
+                    heartbeat_s=settings.redis_heartbeat,
+                    # 0 (never retired): a day, so Redis does not keep every program for ever.
+                    affinity_ttl_s=settings.policy.idle_lease_s or 86_400.0,
+                )
+                if settings.redis
+                else None
+            )
             scheduler = Scheduler(
                 policy=policy_named(settings.router, settings.policy),
                 registry=registry,
                 pool=pool,
                 audit=audit,
+                other_tokens=None if kv is None else kv.others,
+                affinity=kv,
             )
+            if kv is not None:
+                await nursery.start(
+                    _in_scope,
+                    background,
+                    partial(kv.serve, clock.unix(0.0), scheduler.used_by_backend),
+                )
             admission = None
             if settings.limits is not None:
                 instance = instance_name(settings)
@@ -289,7 +310,10 @@ async def run(
                     instance=instance,
                     offset=clock.unix(0.0),
                     shared=shared,
+                    place=scheduler.predict,
                 )
+                for spec in settings.backend_specs:
+                    admission.limiter.name_backend(spec.url, spec.name)
                 if shared is not None:
                     # The first heartbeat sets this instance's share before any call is admitted.
                     await nursery.start(

@@ -112,3 +112,44 @@ def test_a_call_bigger_than_the_capacity_can_never_fit() -> None:
 def test_unlimited_models_always_fit() -> None:
     lim = Limiter(LimitsSpec({"m": ModelLimits(rpm=1)}))
     assert lim.check("other", lim.spec.classes[0], 10**9, now=0.0).admitted
+
+
+def test_a_backend_limit_holds_across_models_and_classes() -> None:
+    spec = LimitsSpec(
+        {"m": ModelLimits(rpm=100)},
+        (FIXED, FLEX_A, FLEX_B),
+        "interactive",
+        backends={"gpu0": ModelLimits(rpm=3, tpm=1000)},
+    )
+    lim = Limiter(spec)
+    lim.name_backend("http://gpu0", "gpu0")
+    # Two models' calls, of two classes, count on the same backend.
+    lim.reserve("m", "interactive", 100, now=1.0, backend="http://gpu0")
+    lim.reserve("other", "batch", 100, now=1.0, backend="http://gpu0")
+    assert lim.check_backend("http://gpu0", 100, now=2.0).admitted
+    third = lim.reserve("m", "eval", 700, now=2.0, backend="http://gpu0")
+    verdict = lim.check_backend("http://gpu0", 1, now=3.0)
+    assert (verdict.admitted, verdict.dimension, verdict.retry_at) == (False, "rpm", 60.0)
+    # Another backend, and one without limits, are not held by it.
+    assert lim.check_backend("http://gpu1", 10_000, now=3.0).admitted
+    assert lim.check_backend(None, 10_000, now=3.0).admitted
+    # Settling refunds the backend's tokens as well as the model's.
+    lim.settle(third, 100, now=4.0)
+    assert lim.backend_usage("http://gpu0").used("tpm", 4.0) == 300
+    assert lim.usage("m", "eval").used("tpm", 4.0) == 100
+    assert lim.check_backend("http://gpu0", 1, now=60.0).admitted
+
+
+def test_a_backend_limit_is_split_among_instances_and_can_never_fit() -> None:
+    lim = Limiter(LimitsSpec({}, backends={"b": ModelLimits(tpm=1000, concurrent=2)}))
+    lim.set_share(0.5)
+    verdict = lim.check_backend("b", 600, now=0.0)
+    assert (verdict.admitted, verdict.dimension, verdict.limit, verdict.never) == (
+        False,
+        "tpm",
+        500.0,
+        True,
+    )
+    lim.reserve("m", "default", 10, now=0.0, backend="b")
+    verdict = lim.check_backend("b", 10, now=0.0)
+    assert (verdict.admitted, verdict.dimension, verdict.retry_at) == (False, "concurrent", None)

@@ -212,3 +212,52 @@ async def test_the_class_comes_from_the_body_or_the_header(
     assert t2.klass == "interactive"
     with pytest.raises(InvalidRequest, match="Unknown program class 'nope'; use one of"):
         await adm.admit(call("c", program_class="nope"), trio.current_time())
+
+
+async def test_a_backend_limit_holds_calls_of_a_model_with_none(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    send, receive = trio.open_memory_channel[AuditRecord](1000)
+    pool = BackendPool()
+    pool.add("http://gpu0:8000", models=[BIG])
+    pool.add("http://gpu1:8000", models=[BIG])
+    spec = LimitsSpec(
+        {},
+        (ClassSpec("default", 1.0, max_wait_s=5.0),),
+        "default",
+        backends={"gpu0": ModelLimits(rpm=1)},
+    )
+    # Every program goes to gpu0 but "spare", which goes to gpu1 (no limits).
+    placed = {"spare": "http://gpu1:8000"}
+    adm = AdmissionService(
+        spec,
+        pool=pool,
+        audit=AuditLog(send, 1),
+        instance="i0",
+        place=lambda program, model: placed.get(program, "http://gpu0:8000"),
+    )
+    adm.limiter.name_backend("http://gpu0:8000", "gpu0")
+    await trio.sleep(50.0 - trio.current_time())
+    first = await adm.admit(call("a"), trio.current_time())
+    assert isinstance(first, Ticket)
+    assert first.reservation is not None
+    assert first.reservation.backend == "http://gpu0:8000"
+    # gpu1 has no limit: a call placed there is not held by gpu0's.
+    await adm.admit(call("spare"), trio.current_time())
+    assert trio.current_time() == pytest.approx(50.0)
+    with pytest.raises(RateLimited) as info:
+        await adm.admit(call("b"), trio.current_time())
+    assert trio.current_time() == pytest.approx(55.0)
+    assert "rpm" in str(info.value)
+    # In the next minute it fits again.
+    await trio.sleep(60.0 - trio.current_time())
+    await adm.admit(call("c"), trio.current_time())
+    assert trio.current_time() == pytest.approx(60.0)
+    rows = [(p, a, d.get("dimension")) for p, a, d in decisions(receive)]
+    assert rows == [
+        ("a", "admit", None),
+        ("spare", "admit", None),
+        ("b", "queue", "rpm"),
+        ("b", "reject", "rpm"),
+        ("c", "admit", None),
+    ]

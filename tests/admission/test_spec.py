@@ -71,3 +71,52 @@ def test_mistakes_name_the_key_and_the_remedy(tmp_path: Path, text: str, message
     with pytest.raises(ConfigError) as info:
         load(tmp_path, text)
     assert message in str(info.value)
+
+
+BACKENDS = """
+[[backends]]
+url = "http://127.0.0.1:8001"
+name = "gpu0"
+
+[[backends]]
+url = "http://127.0.0.1:8002"
+
+[limits.backends.gpu0]
+rpm = 100
+
+[limits.backends."http://127.0.0.1:8002"]
+tpm = 5000
+concurrent = 4
+"""
+
+
+def test_backends_are_limited_by_name_or_url(tmp_path: Path) -> None:
+    settings = load(tmp_path, BACKENDS)
+    limits = settings.limits  # type: ignore[attr-defined]
+    assert limits.backends == {
+        "gpu0": ModelLimits(rpm=100),
+        "http://127.0.0.1:8002": ModelLimits(tpm=5000, concurrent=4),
+    }
+    public = settings.public()["limits"]["backends"]  # type: ignore[attr-defined]
+    assert public["gpu0"] == {"rpm": 100}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            BACKENDS.replace("rpm = 100", "rpn = 100"),
+            "limits.backends.gpu0.rpn: unknown key; known keys: rpm, tpm, rpd, tpd, concurrent",
+        ),
+        (
+            BACKENDS.replace("[limits.backends.gpu0]", "[limits.backends.gpu9]"),
+            "limits.backends.gpu9: no configured backend has this URL or name; name one of: "
+            "gpu0, http://127.0.0.1:8001, http://127.0.0.1:8002",
+        ),
+        (BACKENDS.replace("concurrent = 4", "concurrent = 0"), "concurrent: expected a positive"),
+    ],
+)
+def test_backend_mistakes_name_the_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, text)
+    assert message in str(info.value)

@@ -100,6 +100,8 @@ class Reservation:
     tokens: int
     minute: int
     day: int
+    #: The backend it was also counted on (one with limits of its own), else None.
+    backend: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,12 +122,49 @@ class Limiter:
         #: This instance's part of every model's capacity (1/n of n live instances).
         self.share = 1.0
         self._usage: dict[tuple[str, str], ClassUsage] = {}
+        #: Per backend with limits of its own: its use by every model and class together.
+        self._backends: dict[str, ClassUsage] = {}
+        #: A backend's URL and name both find its limits.
+        self._backend_limits = dict(spec.backends)
 
     def set_share(self, share: float) -> None:
         self.share = share
 
     def limits(self, model: str) -> ModelLimits | None:
         return self.spec.models.get(model)
+
+    def backend_limits(self, backend: str | None) -> ModelLimits | None:
+        return None if backend is None else self._backend_limits.get(backend)
+
+    def name_backend(self, url: str, name: str | None) -> None:
+        """Let limits written under a backend's name apply to its URL (what placement gives)."""
+        if name is not None and name in self.spec.backends:
+            self._backend_limits[url] = self.spec.backends[name]
+
+    def backend_usage(self, backend: str) -> ClassUsage:
+        if backend not in self._backends:
+            self._backends[backend] = ClassUsage()
+        return self._backends[backend]
+
+    def check_backend(self, backend: str | None, tokens: int, now: float) -> Verdict:
+        """Whether a call needing ``tokens`` fits ``backend``'s own limits (this instance's
+        share of them) now; a backend without limits always fits."""
+        limits = self.backend_limits(backend)
+        if backend is None or limits is None:
+            return Verdict(True)
+        usage = self.backend_usage(backend)
+        for dimension in DIMENSIONS:
+            limit = getattr(limits, dimension)
+            if limit is None:
+                continue
+            size = WINDOWED[dimension][0] if dimension in WINDOWED else None
+            need = tokens if WINDOWED.get(dimension, (0, False))[1] else 1
+            capacity = self._capacity(limit)
+            used = usage.used(dimension, now)
+            if used + need > capacity:
+                retry_at = None if size is None else window_end(now, size)
+                return Verdict(False, dimension, capacity, used, need, retry_at, need > capacity)
+        return Verdict(True)
 
     def usage(self, model: str, klass: str) -> ClassUsage:
         key = (model, klass)
@@ -185,43 +224,64 @@ class Limiter:
             return Verdict(False, dimension, allowed, used[klass.name], need, retry_at, never)
         return Verdict(True, dimension, allowed, used[klass.name], need)
 
-    def reserve(self, model: str, klass: str, tokens: int, now: float) -> Reservation:
-        """Count an admitted call: one request and its estimated tokens, one running call."""
-        usage = self.usage(model, klass)
-        minute, day = usage.minute.at(now), usage.day.at(now)
-        minute.requests += 1
-        minute.tokens += tokens
-        day.requests += 1
-        day.tokens += tokens
-        usage.concurrent += 1
-        return Reservation(model, klass, tokens, minute.index, day.index)
+    def reserve(
+        self, model: str, klass: str, tokens: int, now: float, backend: str | None = None
+    ) -> Reservation:
+        """Count an admitted call: one request and its estimated tokens, one running call; on
+        ``backend`` too when it has limits of its own."""
+        counted = None if self.backend_limits(backend) is None else backend
+        usages = [self.usage(model, klass)]
+        if counted is not None:
+            usages.append(self.backend_usage(counted))
+        for usage in usages:
+            minute, day = usage.minute.at(now), usage.day.at(now)
+            minute.requests += 1
+            minute.tokens += tokens
+            day.requests += 1
+            day.tokens += tokens
+            usage.concurrent += 1
+        return Reservation(model, klass, tokens, minute.index, day.index, counted)
+
+    def _usages(self, reservation: Reservation) -> list[ClassUsage]:
+        usages = [self.usage(reservation.model, reservation.klass)]
+        if reservation.backend is not None:
+            usages.append(self.backend_usage(reservation.backend))
+        return usages
 
     def cancel(self, reservation: Reservation, now: float) -> None:
         """Take back a reservation that was never used (the shared counters refused it)."""
-        usage = self.usage(reservation.model, reservation.klass)
-        usage.concurrent = max(0, usage.concurrent - 1)
-        for counter, index in ((usage.minute, reservation.minute), (usage.day, reservation.day)):
-            if counter.at(now).index == index:
-                counter.requests = max(0, counter.requests - 1)
-                counter.tokens = max(0, counter.tokens - reservation.tokens)
+        for usage in self._usages(reservation):
+            usage.concurrent = max(0, usage.concurrent - 1)
+            for counter, index in (
+                (usage.minute, reservation.minute),
+                (usage.day, reservation.day),
+            ):
+                if counter.at(now).index == index:
+                    counter.requests = max(0, counter.requests - 1)
+                    counter.tokens = max(0, counter.tokens - reservation.tokens)
 
     def settle(self, reservation: Reservation, tokens: int | None, now: float) -> Settlement:
         """The call ended: it no longer runs, and its reported ``tokens`` (prompt + completion)
         replace the estimate. A window already closed keeps what it counted (no refund); an
         overage is always counted, in the window that is open now. Without a report (a failed
         call) the reservation stands: it may have used what it reserved."""
-        usage = self.usage(reservation.model, reservation.klass)
-        usage.concurrent = max(0, usage.concurrent - 1)
+        usages = self._usages(reservation)
+        for usage in usages:
+            usage.concurrent = max(0, usage.concurrent - 1)
         if tokens is None:
             return Settlement()
         delta = tokens - reservation.tokens
         late = False
-        for counter, index in ((usage.minute, reservation.minute), (usage.day, reservation.day)):
-            same = counter.at(now).index == index
-            if same or delta > 0:
-                counter.tokens = max(0, counter.tokens + delta)
-            if counter is usage.minute:
-                late = not same
+        for usage in usages:
+            for counter, index in (
+                (usage.minute, reservation.minute),
+                (usage.day, reservation.day),
+            ):
+                same = counter.at(now).index == index
+                if same or delta > 0:
+                    counter.tokens = max(0, counter.tokens + delta)
+                if counter is usage.minute:
+                    late = not same
         if delta > 0:
             return Settlement(overage=delta, late=late)
         return Settlement(refund=0 if late else -delta, late=late)

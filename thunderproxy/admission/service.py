@@ -17,8 +17,8 @@ import logging
 import os
 import socket
 from collections import OrderedDict, deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -98,6 +98,7 @@ class AdmissionService:
         instance: str = "local",
         offset: float = 0.0,
         shared: SharedLimits | None = None,
+        place: Callable[[str, str], str | None] | None = None,
     ) -> None:
         self.spec = spec
         #: Unix time minus trio time: windows are aligned on the wall clock's minutes and days,
@@ -109,6 +110,9 @@ class AdmissionService:
         self.limiter = Limiter(spec)
         #: Redis counters shared with the other instances (None: this instance alone).
         self.shared = shared
+        #: The backend the scheduler will give a program's call of a model (its current one
+        #: while healthy, else the least loaded), for backends with limits of their own.
+        self.place = place
         self.queues: dict[tuple[str, str], deque[Waiter]] = {}
         #: program -> index in its model's chain it was admitted on (kept while it runs).
         self.pinned: OrderedDict[str, int] = OrderedDict()
@@ -131,14 +135,14 @@ class AdmissionService:
             tokens = self._estimate(served, call)
             reservation = None
             refusal = Verdict(False)
-            if served is not None and self.limiter.limits(served) is not None:
+            if served is not None and self._limited(served):
                 outcome = await self._wait(call, served, klass, tokens, returning, now)
                 now = trio.current_time()
                 if isinstance(outcome, Verdict):
                     refusal = outcome
                 else:
                     reservation = outcome
-            if reservation is not None or served is None or self.limiter.limits(served) is None:
+            if reservation is not None or served is None or not self._limited(served):
                 self._pin(call.program_id, index)
                 return Ticket(
                     served=None if served == call.model else served,
@@ -165,7 +169,12 @@ class AdmissionService:
             self._learn(reservation.model, admitted.context_chars, usage)
         settlement = self.limiter.settle(reservation, tokens, now + self.offset)
         if self.shared is not None and tokens is not None:
-            self.shared.settle(reservation, tokens - reservation.tokens, now + self.offset)
+            delta = tokens - reservation.tokens
+            if self.limiter.limits(reservation.model) is not None:
+                self.shared.settle(reservation, delta, now + self.offset)
+            if reservation.backend is not None:
+                on_backend = replace(reservation, model=backend_key(reservation.backend))
+                self.shared.settle(on_backend, delta, now + self.offset)
         for action, amount in (("refund", settlement.refund), ("overage", settlement.overage)):
             if amount:
                 self._decide(
@@ -241,16 +250,25 @@ class AdmissionService:
     ) -> tuple[Reservation | None, Verdict]:
         """Reserve locally if the call fits this instance's share, then in the shared windows;
         a refusal there takes the local reservation back."""
-        verdict = self._check(model, klass, tokens, now)
+        backend = None if self.place is None else self.place(program_id, model)
+        verdict = self._check(model, klass, tokens, now, backend)
         if not verdict.admitted:
             return None, verdict
-        reservation = self.limiter.reserve(model, klass.name, tokens, now + self.offset)
-        limits = self.limiter.limits(model)
-        if self.shared is not None and limits is not None:
-            answer = await self.shared.reserve(model, limits, tokens, now + self.offset)
+        reservation = self.limiter.reserve(model, klass.name, tokens, now + self.offset, backend)
+        # The model's global windows, then the backend's (keyed apart from any model's).
+        counted = [(model, self.limiter.limits(model))]
+        if reservation.backend is not None:
+            counted.append((backend_key(reservation.backend), self.limiter.backend_limits(backend)))
+        for key, limits in counted if self.shared is not None else ():
+            if limits is None or self.shared is None:
+                continue
+            answer = await self.shared.reserve(key, limits, tokens, now + self.offset)
             if not answer.admitted:
                 unix = trio.current_time() + self.offset
                 self.limiter.cancel(reservation, unix)
+                if key != model and counted[0][1] is not None:
+                    # The model's window counted this call already: give it back.
+                    self.shared.settle(reservation, -tokens, unix)
                 size = WINDOWED[answer.dimension or "rpm"][0]
                 limit = getattr(limits, answer.dimension or "rpm")
                 return None, Verdict(
@@ -277,9 +295,23 @@ class AdmissionService:
     def _hungry(self, model: str) -> set[str]:
         return {k for (m, k), queue in self.queues.items() if m == model and queue}
 
-    def _check(self, model: str, klass: ClassSpec, tokens: int, now: float) -> Verdict:
+    def _check(
+        self, model: str, klass: ClassSpec, tokens: int, now: float, backend: str | None = None
+    ) -> Verdict:
         hungry = self._hungry(model) - {klass.name}
-        return self.limiter.check(model, klass, tokens, now + self.offset, hungry)
+        verdict = self.limiter.check(model, klass, tokens, now + self.offset, hungry)
+        if not verdict.admitted:
+            return verdict
+        on_backend = self.limiter.check_backend(backend, tokens, now + self.offset)
+        return verdict if on_backend.admitted else on_backend
+
+    def _limited(self, model: str) -> bool:
+        """Whether calls of ``model`` pass the limiter: it, or a backend serving it, has limits."""
+        if self.limiter.limits(model) is not None:
+            return True
+        return any(
+            self.limiter.backend_limits(n.url) is not None for n in self.pool if n.serves(model)
+        )
 
     def _admitted(
         self, program_id: str, model: str, klass: ClassSpec, tokens: int, now: float, waited: float
@@ -506,6 +538,11 @@ class AdmissionService:
             "counts": dict(self.counts),
             "models": models,
         }
+
+
+def backend_key(url: str) -> str:
+    """A backend's name among the Redis window keys (apart from every model's)."""
+    return f"backend={url}"
 
 
 def instance_name(settings: Settings) -> str:

@@ -247,3 +247,168 @@ class SharedLimits:
             "last_error": self.last_error,
             "round_trips": self.round_trips,
         }
+
+
+KV_PREFIX = "thunderproxy:kv"
+
+# KEYS: live instances zset, this instance's hash of backend -> tokens. ARGV: instance, now,
+# stale before, ttl ms, hash prefix, then backend, tokens pairs. Writes this instance's tokens
+# and returns, flattened, each backend and the tokens all other live instances hold on it.
+PUBLISH_KV = """
+redis.call('DEL', KEYS[2])
+if #ARGV > 5 then
+  redis.call('HSET', KEYS[2], unpack(ARGV, 6))
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
+local sums = {}
+for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if other ~= ARGV[1] then
+    local h = redis.call('HGETALL', ARGV[5] .. other)
+    for i = 1, #h, 2 do
+      sums[h[i]] = (sums[h[i]] or 0) + tonumber(h[i + 1])
+    end
+  end
+end
+local out = {}
+for backend, tokens in pairs(sums) do
+  out[#out + 1] = backend
+  out[#out + 1] = tostring(tokens)
+end
+return out
+"""
+
+
+class SharedBackends:
+    """What the instances in front of the same backends tell each other through Redis: the KV
+    tokens each one's programs claim on every backend (so tr on one instance leaves room for
+    the programs of the others) and which backend holds each program's cache.
+
+    Every ``heartbeat_s`` the instance replaces its own hash of backend -> tokens (expiring
+    after three heartbeats, so a dead instance's claim goes away by itself) and reads the sum
+    of the other live instances' hashes, in one round trip. Redis away: the others' tokens
+    are taken as zero after three heartbeats without an answer (each instance then schedules
+    alone, as without Redis)."""
+
+    def __init__(
+        self, url: str, instance: str, *, heartbeat_s: float = 1.0, affinity_ttl_s: float = 600.0
+    ) -> None:
+        import coredis
+
+        self.url = redact_url(url)
+        self.instance = instance
+        self.heartbeat_s = heartbeat_s
+        #: How long a program's backend is remembered after its last call (the idle lease:
+        #: past it the program is retired everywhere, and its cache is anyone's to evict).
+        self.affinity_ttl_s = affinity_ttl_s
+        self._placed_send, self._placed_receive = trio.open_memory_channel[tuple[str, str]](10_000)
+        self.client: Any = coredis.Redis.from_url(url, decode_responses=True)
+        self._publish = self.client.register_script(PUBLISH_KV)
+        self.reachable = False
+        self.last_error: str | None = None
+        self.round_trips = 0
+        #: Tokens the other live instances claim on each backend, from the last heartbeat.
+        self._others: dict[str, int] = {}
+        self._others_at: float | None = None
+
+    def others(self, backend: str) -> int:
+        """Tokens the other instances' programs claim on ``backend`` (0 when not known for
+        three heartbeats: a stale claim would keep this instance's programs paused)."""
+        if self._others_at is None or trio.current_time() - self._others_at > 3 * self.heartbeat_s:
+            return 0
+        return self._others.get(backend, 0)
+
+    async def publish(self, mine: dict[str, int], unix: float) -> None:
+        args: list[Any] = [
+            self.instance,
+            unix,
+            unix - 3 * self.heartbeat_s,
+            int(3000 * self.heartbeat_s),
+            f"{KV_PREFIX}:used:",
+        ]
+        for backend, tokens in mine.items():
+            if tokens > 0:
+                args += [backend, tokens]
+        try:
+            with trio.fail_after(COMMAND_TIMEOUT_S):
+                self.round_trips += 1
+                answer: Any = await self._publish(
+                    keys=[f"{KV_PREFIX}:instances", f"{KV_PREFIX}:used:{self.instance}"],
+                    args=args,
+                )
+        except (trio.TooSlowError, OSError, Exception) as exc:  # noqa: BLE001 - any failure: away
+            if self.reachable:
+                log.warning(
+                    "Redis at %s is unreachable (%s); tr sees only this instance's programs "
+                    "until it returns",
+                    self.url,
+                    type(exc).__name__,
+                )
+            self.reachable = False
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.reachable = True
+        self._others = {str(answer[i]): int(answer[i + 1]) for i in range(0, len(answer), 2)}
+        self._others_at = trio.current_time()
+
+    async def backend_of(self, program_id: str) -> str | None:
+        """The backend another instance placed ``program_id`` on (it holds its cache), or None:
+        never placed, forgotten after the idle lease, or Redis away (placement then goes by
+        load, as without Redis)."""
+        if not self.reachable:
+            return None
+        try:
+            with trio.fail_after(COMMAND_TIMEOUT_S):
+                self.round_trips += 1
+                found: Any = await self.client.get(f"{KV_PREFIX}:affinity:{program_id}")
+        except (trio.TooSlowError, OSError, Exception) as exc:  # noqa: BLE001 - any failure: away
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return None
+        return None if found is None else str(found)
+
+    def placed(self, program_id: str, backend: str) -> None:
+        """Remember ``program_id`` -> ``backend`` for the idle lease; written off the call's
+        path (a queue), dropped while Redis is away."""
+        if not self.reachable:
+            return
+        try:
+            self._placed_send.send_nowait((program_id, backend))
+        except trio.WouldBlock:
+            log.warning("Redis affinity queue full; program %r's backend is not shared", program_id)
+
+    async def _placements(self) -> None:
+        ttl_ms = max(1, int(self.affinity_ttl_s * 1000))
+        async for program_id, backend in self._placed_receive:
+            try:
+                with trio.fail_after(COMMAND_TIMEOUT_S):
+                    self.round_trips += 1
+                    await self.client.set(f"{KV_PREFIX}:affinity:{program_id}", backend, px=ttl_ms)
+            except (trio.TooSlowError, OSError, Exception) as exc:  # noqa: BLE001
+                self.last_error = f"{type(exc).__name__}: {exc}"
+
+    async def serve(
+        self,
+        offset: float,
+        mine: Callable[[], dict[str, int]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Publish ``mine()`` and read the others' every heartbeat until cancelled; ready after
+        the first, whether or not Redis answered it."""
+        async with self.client, trio.open_nursery() as nursery:
+            await self.publish(mine(), trio.current_time() + offset)
+            nursery.start_soon(self._placements)
+            task_status.started()
+            while True:
+                await trio.sleep(self.heartbeat_s)
+                await self.publish(mine(), trio.current_time() + offset)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "reachable": self.reachable,
+            "others_tokens": dict(sorted(self._others.items())),
+            "last_error": self.last_error,
+            "round_trips": self.round_trips,
+        }

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # config imports this module; at run time only the duck-typed
 #: The limit names of one model, as written in the file.
 LIMIT_KEYS = ("rpm", "tpm", "rpd", "tpd", "concurrent")
 CLASS_KEYS = ("ratio", "flexible", "max_wait")
-TOP_KEYS = ("default_class", "completion_tokens", "models", "classes")
+TOP_KEYS = ("default_class", "completion_tokens", "models", "backends", "classes")
 #: A call that names no class and a config that lists none: one class with all the capacity.
 DEFAULT_CLASS = "default"
 
@@ -53,9 +53,19 @@ class LimitsSpec:
     #: Completion tokens reserved for a call that sets no max_tokens, until a model's completions
     #: have been measured.
     completion_tokens: int = 256
+    #: Limits of single backends, by URL or name (``[limits.backends.<name>]``): what one
+    #: deployment allows, whichever model group sends to it. Not split among classes.
+    backends: Mapping[str, ModelLimits] = field(default_factory=dict)
 
     def __hash__(self) -> int:
-        return hash((tuple(sorted(self.models.items())), self.classes, self.default_class))
+        return hash(
+            (
+                tuple(sorted(self.models.items())),
+                tuple(sorted(self.backends.items())),
+                self.classes,
+                self.default_class,
+            )
+        )
 
     def klass(self, name: str) -> ClassSpec | None:
         return next((c for c in self.classes if c.name == name), None)
@@ -67,6 +77,10 @@ class LimitsSpec:
             "models": {
                 name: {k: getattr(lim, k) for k in LIMIT_KEYS if getattr(lim, k) is not None}
                 for name, lim in self.models.items()
+            },
+            "backends": {
+                name: {k: getattr(lim, k) for k in LIMIT_KEYS if getattr(lim, k) is not None}
+                for name, lim in self.backends.items()
             },
             "classes": {
                 c.name: {"ratio": c.ratio, "flexible": c.flexible, "max_wait": c.max_wait_s}
@@ -129,12 +143,17 @@ def _class(name: str, value: Any, where: Where) -> ClassSpec:
 
 
 def parse_limits(value: Any, where: Where) -> Mapping[str, Any]:
-    """``[limits]``: ``[limits.models.<name>]`` tables of rpm/tpm/rpd/tpd/concurrent,
-    ``[limits.classes.<name>]`` tables of ratio/flexible/max_wait, ``default_class``."""
+    """``[limits]``: ``[limits.models.<name>]`` and ``[limits.backends.<url or name>]`` tables
+    of rpm/tpm/rpd/tpd/concurrent, ``[limits.classes.<name>]`` tables of
+    ratio/flexible/max_wait, ``default_class``."""
     table = _table(value, where, "[limits] with [limits.models.<model>] tables")
     _unknown(table, TOP_KEYS, where)
     models_in = _table(table.get("models", {}), where.dot("models"), "[limits.models.<model>]")
     models = {name: _model(v, where.dot("models").dot(name)) for name, v in models_in.items()}
+    backends_in = _table(
+        table.get("backends", {}), where.dot("backends"), '[limits.backends."<url or name>"]'
+    )
+    backends = {name: _model(v, where.dot("backends").dot(name)) for name, v in backends_in.items()}
     classes_in = _table(table.get("classes", {}), where.dot("classes"), "[limits.classes.<name>]")
     classes = tuple(_class(n, v, where.dot("classes").dot(n)) for n, v in classes_in.items())
     if not classes:
@@ -152,5 +171,5 @@ def parse_limits(value: Any, where: Where) -> Mapping[str, Any]:
             f"{default!r} is not a class", "name one of: " + ", ".join(names)
         )
     completion = _count(table.get("completion_tokens", 256), where.dot("completion_tokens"))
-    spec = LimitsSpec(models, classes, default, completion)
+    spec = LimitsSpec(models, classes, default, completion, backends)
     return {"limits": spec}

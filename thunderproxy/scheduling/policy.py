@@ -71,6 +71,8 @@ class BackendView:
     capacity_factor: float = 1.0
     last_pause_at: float | None = None
     last_resume_at: float | None = None
+    #: KV tokens other instances' programs claim here (shared through Redis; 0 without it).
+    others_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,23 @@ def weight(p: ProgramView, cfg: PolicyConfig, now: float) -> int:
     return 0
 
 
-def limit(b: BackendView, cfg: PolicyConfig, *, fill: float | None = None) -> int | None:
+def limit(
+    b: BackendView, cfg: PolicyConfig, *, fill: float | None = None, others: bool = True
+) -> int | None:
     """Tokens the policy lets programs claim on ``b``: ``target_fill`` of the capacity for
     programs that are not running yet, all of it (``fill=1``) before running ones are moved.
     The gap between the two absorbs the prompts' growth from step to step, so a program let
-    in is not pushed out again by the next growth of its neighbours."""
+    in is not pushed out again by the next growth of its neighbours.
+
+    What other instances' programs claim comes off, except (``others=False``) when deciding
+    whether to pause this instance's idle programs: every instance sees the same overflow at
+    the same heartbeat, and if each paused its own for it they would all pause at once, then
+    all resume, and the cache would churn more than without sharing (measured: the hit rate
+    fell to that of two instances that share nothing, in two runs of four)."""
     if b.capacity_tokens is None:
         return None
-    return int(b.capacity_tokens * b.capacity_factor * (cfg.target_fill if fill is None else fill))
+    whole = b.capacity_tokens * b.capacity_factor * (cfg.target_fill if fill is None else fill)
+    return max(0, int(whole) - (b.others_tokens if others else 0))
 
 
 def used_tokens(
@@ -220,7 +231,7 @@ def enforce(
     b: BackendView, programs: Sequence[ProgramView], cfg: PolicyConfig, now: float
 ) -> list[Decision]:
     """Pause or mark programs on ``b`` until its projected use fits its capacity."""
-    cap = limit(b, cfg, fill=1.0)
+    cap = limit(b, cfg, fill=1.0, others=False)
     if cap is None or not b.healthy:
         return []
     if b.last_pause_at is not None and now - b.last_pause_at < cfg.pause_cooldown_s:

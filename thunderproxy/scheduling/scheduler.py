@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import trio
 
 from ..audit import AuditLog, DecisionRecord
 from ..backends import BackendNode, BackendPool, Route
-from ..errors import ProgramReleased, QueueFull
+from ..errors import ModelNotFound, NoBackendAvailable, ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
 from .learners import PromptSizer, program_estimate
 from .policies import Policy, Views
@@ -44,6 +45,14 @@ class StepLease:
     closed: bool = False
 
 
+class Affinity(Protocol):
+    """Where other instances placed programs (shared through Redis)."""
+
+    def backend_of(self, program_id: str) -> Awaitable[str | None]: ...
+
+    def placed(self, program_id: str, backend: str) -> None: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -53,13 +62,16 @@ class Scheduler:
         pool: BackendPool,
         audit: AuditLog,
         clock: Callable[[], float] = trio.current_time,
+        other_tokens: Callable[[str], int] | None = None,
+        affinity: Affinity | None = None,
     ) -> None:
         self.policy = policy
         self.registry = registry
         self.pool = pool
         self.audit = audit
         self._now = clock
-        self.source = ViewSource(registry, pool, policy.config)
+        self.source = ViewSource(registry, pool, policy.config, others=other_tokens)
+        self.affinity = affinity
         self._waiters = Waiters()
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
@@ -78,10 +90,25 @@ class Scheduler:
     def views(self) -> Views:
         return self.source.views(self._now())
 
+    def used_by_backend(self) -> dict[str, int]:
+        """The KV tokens this instance's programs claim on each backend now."""
+        return self.source.used_by_backend(self._now())
+
     # -- placement ------------------------------------------------------------------------------
 
     def _choose(self, program_id: str, current: str | None, route: Route) -> BackendNode:
         return self.source.choose(program_id, current, route)
+
+    def predict(self, program_id: str, model: str) -> str | None:
+        """The backend a call of ``program_id`` to ``model`` would be leased now, without
+        placing it (None: no healthy backend serves the model)."""
+        program = self.registry.find(program_id)
+        try:
+            route = self.pool.route(model)
+            current = None if program is None else program.backend
+            return self._choose(program_id, current, route).url
+        except (ModelNotFound, NoBackendAvailable):
+            return None
 
     def place(self, program: Program, route: Route) -> BackendNode:
         """The program's backend: sticky while healthy, else the least loaded of its group."""
@@ -115,8 +142,13 @@ class Scheduler:
         """Wait until ``program_id``'s call may go out, then lease it a backend of ``route``.
         ``source`` (how the program was recognised) is recorded if this call creates it."""
         program = self.registry.find(program_id)
+        known = None
+        if program is None and self.affinity is not None:
+            # New here, but another instance may have run it: its cache is on that backend.
+            known = await self.affinity.backend_of(program_id)
+            program = self.registry.find(program_id)  # another call may have created it meanwhile
         if program is None:
-            program = self._admit(program_id, route, arrived_at, context_chars, source)
+            program = self._admit(program_id, route, arrived_at, context_chars, source, known)
         else:
             self._gate_return(program, arrived_at, context_chars)
         # A loop, not an if: between its resume and this task running again, a program could be
@@ -125,6 +157,8 @@ class Scheduler:
             await self._wait_for_resume(program, arrived_at)
         self.registry.set_waiting(program, None)
         node = self.place(program, route)
+        if self.affinity is not None:
+            self.affinity.placed(program_id, node.url)
         now = self._now()
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
         node.in_flight += 1
@@ -173,10 +207,12 @@ class Scheduler:
         arrived_at: float,
         context_chars: int,
         source: str | None = None,
+        known: str | None = None,
     ) -> Program:
-        """A program's first call: admitted as REASONING, or queued (PAUSED) by the policy."""
+        """A program's first call: admitted as REASONING, or queued (PAUSED) by the policy;
+        placed on ``known`` (where another instance ran it) while that backend is healthy."""
         estimate = self._sizer(route.requested).estimate(context_chars)
-        node = self._choose(program_id, None, route)
+        node = self._choose(program_id, known, route)
         now = self._now()
         candidate = ProgramView(
             program_id,

@@ -3,6 +3,7 @@ the pool and what the scheduler learned about each backend; and placement within
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..backends import BackendNode, BackendPool, Route
@@ -11,7 +12,7 @@ from ..programs import Program, ProgramRegistry
 from .learners import CapacityFactor, SharedPrefix
 from .placement import Candidate, choose_backend
 from .policies import Views
-from .policy import BackendView, PolicyConfig, ProgramView, decay
+from .policy import BackendView, PolicyConfig, ProgramView, decay, used_tokens
 
 
 @dataclass
@@ -27,10 +28,20 @@ class BackendSchedule:
 
 
 class ViewSource:
-    def __init__(self, registry: ProgramRegistry, pool: BackendPool, config: PolicyConfig) -> None:
+    def __init__(
+        self,
+        registry: ProgramRegistry,
+        pool: BackendPool,
+        config: PolicyConfig,
+        *,
+        others: Callable[[str], int] | None = None,
+    ) -> None:
         self.registry = registry
         self.pool = pool
         self.config = config
+        #: Tokens other instances' programs claim on a backend (shared through Redis); they
+        #: come off its capacity (policy.limit), so tr admits here only what fits beside them.
+        self.others = others
         self._schedules: dict[str, BackendSchedule] = {}
         #: Backends serving each model; cleared by ``refresh`` (after each metrics poll).
         self._eligible: dict[str | None, frozenset[str] | None] = {}
@@ -60,9 +71,17 @@ class ViewSource:
                     capacity_factor=schedule.capacity.factor,
                     last_pause_at=schedule.last_pause_at,
                     last_resume_at=schedule.last_resume_at,
+                    others_tokens=0 if self.others is None else self.others(node.url),
                 )
             )
         return views
+
+    def used_by_backend(self, now: float) -> dict[str, int]:
+        """The KV tokens this instance's programs claim on each backend at ``now``, as tr's
+        capacity model counts them (what other instances subtract from its capacity)."""
+        views = self.views(now)
+        programs = views.programs
+        return {b.url: used_tokens(b, programs, self.config, now) for b in views.backends}
 
     def eligible(self, model: str | None) -> frozenset[str] | None:
         """The backends a program of ``model`` may use (None: any of them)."""
