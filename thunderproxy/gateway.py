@@ -19,6 +19,7 @@ the gateway, nothing else records it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -45,6 +46,14 @@ from .scheduling import Scheduler, StepLease
 
 #: Status recorded for a call whose client went away before it ended (nginx's convention).
 CLIENT_CLOSED = 499
+
+
+def _at_boundary(relayed_tail: bytes) -> bytes:
+    """What to send before an in-band error event so that it starts an event of its own: a
+    blank line when the relayed bytes stopped in the middle of an event, else nothing."""
+    if not relayed_tail or re.search(rb"\r?\n\r?\n\Z", relayed_tail):
+        return b""
+    return b"\n\n"
 
 
 def header_safe(value: str) -> str:
@@ -181,6 +190,8 @@ class Exchange:
         tap = self.call.wire.tap(self.call)
         chunks = self.response.aiter_raw()
         first_byte_at: float | None = None
+        #: The last bytes relayed: an error event must not be glued to a half-sent event.
+        relayed_tail = b""
         try:
             while True:
                 try:
@@ -196,7 +207,7 @@ class Exchange:
                     )
                     self._take_usage(tap)
                     self.finish(describe(error)[0], error=error.message)
-                    yield self.call.wire.error_event(error)
+                    yield _at_boundary(relayed_tail) + self.call.wire.error_event(error)
                     return
                 if first_byte_at is None:
                     first_byte_at = trio.current_time()
@@ -214,7 +225,7 @@ class Exchange:
                         backend=self.node.url,
                     )
                     self.finish(describe(fault)[0], error=fault.message)
-                    yield self.call.wire.error_event(fault)
+                    yield _at_boundary(relayed_tail) + self.call.wire.error_event(fault)
                     return
                 if tap.complete and not self.done:
                     # The answer is whole: a client that hangs up on the end event before the
@@ -224,6 +235,7 @@ class Exchange:
                     self._take_usage(tap)
                     self.finish(self.status_code, error=tap.error)
                 if out:
+                    relayed_tail = (relayed_tail + out)[-4:]
                     yield out
         finally:
             # The backend's own iterator is closed here, not left to the garbage collector.

@@ -301,7 +301,8 @@ def check_stream(answer: Answer, body: bytes, *, hidden: bool) -> int:
         before = body[: tail.start()]
         assert EVENT_BOUNDARY.search(before), before[-100:]
         if not hidden:
-            assert answer.body.startswith(before)
+            # Relayed as it came; a blank line closes an event cut half-way before the error.
+            assert answer.body.startswith(before) or answer.body.startswith(before[:-2])
         return 502
     if hidden:
         assert len(body) <= len(answer.body)

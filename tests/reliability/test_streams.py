@@ -91,6 +91,33 @@ async def test_a_50mb_event_ends_the_stream_cleanly_as_a_backend_fault(
     assert "larger than the proxy reads" in row["error"]
 
 
+async def test_an_endless_event_relayed_as_it_came_is_closed_before_the_error(
+    fuzz: FuzzBackend, proxy: RunningProxy
+) -> None:
+    # With the usage chunk asked for, nothing is hidden and bytes pass as they arrive, so part
+    # of the endless event is already out when the bound is reached: the error event must still
+    # be an event of its own, which the client's SSE parser reads.
+    fuzz.answers["half"] = Answer(
+        content_type="text/event-stream",
+        pieces=(CONTENT[0], b'data: {"choices": [{"delta": {"content": "'),
+        filler=b"y" * 65_536,
+        filler_count=40,  # 2.6 MB, never ended
+    )
+    request = {
+        "messages": HELLO,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "program_id": "half",
+    }
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+        r = await client.post("/v1/chat/completions", json=request, headers={"x-fuzz-case": "half"})
+    events = r.content.split(b"\n\n")
+    assert events[-1] == b""
+    assert events[-2] == b"data: [DONE]"
+    error = json.loads(events[-3].removeprefix(b"data: "))["error"]
+    assert error["code"] == 502
+
+
 async def test_impossible_usage_is_noted_not_believed(
     fuzz: FuzzBackend, proxy: RunningProxy, tmp_path: Path
 ) -> None:
