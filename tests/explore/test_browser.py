@@ -64,7 +64,8 @@ def chromium() -> str:
 
 async def browse(chromium: str, url: str, *, screenshot: Path | None = None) -> str:
     """The page's DOM after its scripts ran; with ``screenshot``, a PNG of it too."""
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes may still write to the profile as the browser exits.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         base = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}"]
         if screenshot is not None:
             await trio.run_process(

@@ -106,7 +106,8 @@ class Page:
 
 @asynccontextmanager
 async def open_page(chromium: str, *, width: int = 1280, height: int = 1100) -> AsyncIterator[Page]:
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes may still write to the profile as the browser exits.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         process = await trio.lowlevel.open_process(
             [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
