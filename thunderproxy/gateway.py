@@ -295,13 +295,8 @@ class Exchange:
         (499), or the proxy stopped before it could end (503)."""
         await self.response.aclose()
         if not self.done:
-            if self.gateway.stopping:
-                stopped = ProxyStopping("The proxy stopped before the response ended.")
-                self.finish(describe(stopped)[0], error=stopped.message)
-            else:
-                self.finish(
-                    CLIENT_CLOSED, error="client closed the connection before the response ended"
-                )
+            status, message = self.gateway.cut_outcome()
+            self.finish(status, error=message)
 
 
 class Gateway:
@@ -363,7 +358,7 @@ class Gateway:
         except trio.Cancelled:
             self._never_sent(call)
             if admitted is not None:
-                self.admission.done(admitted, None, self._cut()[0], trio.current_time())
+                self.admission.done(admitted, None, self.cut_outcome()[0], trio.current_time())
             raise
         body = call.body
         if route.served is not None and route.served != call.model:
@@ -373,25 +368,33 @@ class Gateway:
             # <program>-<step> names the call in vLLM's logs and the simulator's accounting.
             headers.append(("x-request-id", header_safe(lease.request_id)))
         request = UpstreamRequest(call.method, call.endpoint, headers, json.dumps(body).encode())
-        node = lease.node
+        try:
+            response = await self.send(lease.node, request)
+        except BackendError as exc:
+            self._close(lease, call, describe(exc)[0], exc.message, admitted=admitted)
+            raise
+        except BaseException:
+            status, message = self.cut_outcome()
+            self._close(lease, call, status, message, admitted=admitted)
+            raise
+        return Exchange(self, call, lease, response, admitted)
+
+    async def send(self, node: BackendNode, request: UpstreamRequest) -> UpstreamResponse:
+        """``request`` to ``node`` until its answer starts (within ``first_byte_timeout``),
+        the outcome reported to the node's health: the one way anything reaches a backend for
+        a client (calls here, and the passthrough)."""
         try:
             with trio.fail_after(self.first_byte_timeout):
                 response = await node.backend.send(request)
         except trio.TooSlowError:
             error = self.timeout(node)
             node.health.failed(error)
-            self._close(lease, call, describe(error)[0], error.message, admitted=admitted)
             raise error from None
         except BackendError as exc:
             node.health.failed(exc)
-            self._close(lease, call, describe(exc)[0], exc.message, admitted=admitted)
-            raise
-        except BaseException:
-            status, message = self._cut()
-            self._close(lease, call, status, message, admitted=admitted)
             raise
         node.health.answered(response.status_code)
-        return Exchange(self, call, lease, response, admitted)
+        return response
 
     def timeout(self, node: BackendNode) -> BackendError:
         return BackendTimeout(
@@ -400,7 +403,9 @@ class Gateway:
             backend=node.url,
         )
 
-    def _cut(self) -> tuple[int, str]:
+    def cut_outcome(self) -> tuple[int, str]:
+        """Status and error of a call ended from outside: the client left (499), or the proxy
+        began stopping first (503)."""
         if self.stopping:
             return describe(ProxyStopping(""))[0], "the proxy stopped before the call ended"
         return CLIENT_CLOSED, "client closed the connection before the response ended"
@@ -484,7 +489,7 @@ class Gateway:
     def _never_sent(self, call: Call) -> None:
         """The caller left while its program was paused: the call is dropped for good."""
         program = self.scheduler.registry.find(call.program_id)
-        status, message = self._cut()
+        status, message = self.cut_outcome()
         self.audit.record(
             StepRecord.never_sent(
                 program_id=call.program_id,

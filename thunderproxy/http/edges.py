@@ -25,7 +25,7 @@ from werkzeug.datastructures import Headers
 
 from .. import protocols
 from ..backends import BackendNode, UpstreamRequest
-from ..errors import BackendError, NoBackendAvailable
+from ..errors import NoBackendAvailable
 from ..gateway import Call, Exchange, Gateway
 from ..programs.recognition import (
     ProgramRecognizer,
@@ -188,17 +188,7 @@ class Edges:
 
     async def _send(self, node: BackendNode, upstream: UpstreamRequest) -> Response:
         gateway = self.gateway
-        try:
-            with trio.fail_after(gateway.first_byte_timeout):
-                response = await node.backend.send(upstream)
-        except trio.TooSlowError:
-            error = gateway.timeout(node)
-            node.health.failed(error)
-            raise error from None
-        except BackendError as exc:
-            node.health.failed(exc)
-            raise
-        node.health.answered(response.status_code)
+        response = await gateway.send(node, upstream)
         on_request_end(response.aclose)
         return Response(
             relay(response, gateway.read_timeout),

@@ -22,9 +22,6 @@ from .guard import DEFAULT_GUARD, PassthroughGuard
 from .streaming import is_streaming
 from .validate import load_json
 
-DEFAULT_PROGRAM = "default"
-MAX_PROGRAM_ID_CHARS = 256
-
 #: RFC 9110 hop-by-hop headers, plus the ones the proxy recomputes for each hop.
 HOP_BY_HOP = frozenset(
     {
@@ -123,17 +120,7 @@ class Proxy:
             forward_headers(request.headers.items(), drop=drop),
             await request.get_data(False, False, False),
         )
-        try:
-            with trio.fail_after(self.gateway.first_byte_timeout):
-                response = await node.backend.send(upstream)
-        except trio.TooSlowError:
-            error = self.gateway.timeout(node)
-            node.health.failed(error)
-            raise error from None
-        except BackendError as exc:
-            node.health.failed(exc)
-            raise
-        node.health.answered(response.status_code)
+        response = await self.gateway.send(node, upstream)
         on_request_end(response.aclose)
         headers = response_headers(response.headers)
         if is_streaming(response.headers):
