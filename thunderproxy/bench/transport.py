@@ -82,6 +82,23 @@ class SSEResult:
         self.got_content = self.got_content or content
         return content
 
+    def result(self, first_token_at: float | None, tokenizer: Tokenizer) -> CallResult:
+        """The call as the agent sees it once its stream ended (the answer re-tokenized, as
+        the next prompt will carry it)."""
+        if self.error is not None:
+            return CallResult(500, first_token_at=first_token_at, error=self.error)
+        text = "".join(self.texts)
+        prompt, completion, cached = self.usage_tokens()
+        return CallResult(
+            200,
+            text=text,
+            ids=tokenizer.encode(text),
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cached_tokens=cached,
+            first_token_at=first_token_at,
+        )
+
     def usage_tokens(self) -> tuple[int | None, int | None, int | None]:
         usage = self.usage or {}
         details = usage.get("prompt_tokens_details") or {}
@@ -140,19 +157,7 @@ class HttpTransport:
                         first = trio.current_time()
         except httpx.HTTPError as exc:
             return CallResult(599, first_token_at=first, error=f"{type(exc).__name__}: {exc}")
-        if sse.error is not None:
-            return CallResult(500, first_token_at=first, error=sse.error)
-        text = "".join(sse.texts)
-        prompt, completion, cached = sse.usage_tokens()
-        return CallResult(
-            200,
-            text=text,
-            ids=self.tokenizer.encode(text),
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            cached_tokens=cached,
-            first_token_at=first,
-        )
+        return sse.result(first, self.tokenizer)
 
     async def release(self, program_id: str) -> None:
         if self.proxy_url is None:
@@ -242,19 +247,7 @@ class InProcessTransport:
                 fed = line.startswith(b"data:") and sse.feed(line[5:].strip().decode())
                 if fed and first is None:
                     first = trio.current_time()
-        if sse.error is not None:
-            return CallResult(500, first_token_at=first, error=sse.error)
-        text = "".join(sse.texts)
-        prompt, completion, cached = sse.usage_tokens()
-        return CallResult(
-            200,
-            text=text,
-            ids=self.tokenizer.encode(text),
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            cached_tokens=cached,
-            first_token_at=first,
-        )
+        return sse.result(first, self.tokenizer)
 
     async def release(self, program_id: str) -> None:
         if self.gateway is None:
