@@ -434,8 +434,9 @@ class Settings:
     )
     redis_heartbeat: float = setting(
         1.0 * SECONDS,
-        "Seconds between heartbeats to Redis; an instance silent for three is counted out and "
-        "its share of the limits goes to the others.",
+        "Seconds within which an instance that stopped is counted out and its share of the "
+        "limits goes to the others (each instance beats eight times a heartbeat); the KV claims "
+        "are published once a heartbeat.",
         check=_positive,
     )
     certfile: str = setting(

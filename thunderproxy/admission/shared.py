@@ -7,8 +7,12 @@ against the model's whole limits and increments them in one round trip, so the s
 instances cannot pass a limit even while the instance count changes. Settlements (refunds,
 overages) go to the same counters from a queue, off the call's path.
 
-Every ``heartbeat_s`` the instance writes its heartbeat (a sorted set scored by Unix time) and
-reads how many instances beat within ``3 * heartbeat_s``; that count sets the local share. When
+Each instance beats ``BEATS`` times per ``heartbeat_s`` into a sorted set scored by the time of
+its last beat, and counts as live while its last beat is younger than ``LIVE`` heartbeats. The
+count of live instances sets the local share; it is read with every beat and also in the same
+round trip as every reservation (which refreshes the caller's own beat too), so a killed
+instance is counted out within one heartbeat of its death, and at once by the next reservation
+after that under load. When
 Redis cannot be reached the instance keeps serving alone on a conservative share (capacity
 divided by the last count it knew), says so in /health and the log, and rejoins at the first
 heartbeat that succeeds.
@@ -34,9 +38,27 @@ log = logging.getLogger("thunderproxy.admission.redis")
 COMMAND_TIMEOUT_S = 0.5
 PREFIX = "thunderproxy:limits"
 
-# KEYS: minute hash, day hash. ARGV: tokens, rpm, tpm, rpd, tpd (-1: none), minute ttl, day ttl.
-# Returns {1} when counted, else {0, dimension, used}.
-RESERVE = """
+#: Beats per heartbeat, and how many heartbeats old an instance's last beat may be while it
+#: counts as live: six beats in a row may be missed or late (a busy event loop) before an
+#: instance is counted out, and the others, reading at least once a beat, see it gone within
+#: one heartbeat of its last beat.
+BEATS = 8
+LIVE = 7 / BEATS
+
+# The live count after refreshing the caller's own beat. KEYS[3]: instances zset. ARGV[8..10]:
+# instance, now, stale before.
+LIVENESS = """
+redis.call('ZADD', KEYS[3], ARGV[9], ARGV[8])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[10])
+local live = redis.call('ZCARD', KEYS[3])
+"""
+
+# KEYS: minute hash, day hash, instances zset. ARGV: tokens, rpm, tpm, rpd, tpd (-1: none),
+# minute ttl, day ttl, then the liveness arguments. Returns {1, live} when counted, else
+# {0, live, dimension, used}.
+RESERVE = (
+    LIVENESS
+    + """
 local m = redis.call('HMGET', KEYS[1], 'r', 't')
 local d = redis.call('HMGET', KEYS[2], 'r', 't')
 local used = {tonumber(m[1]) or 0, tonumber(m[2]) or 0, tonumber(d[1]) or 0, tonumber(d[2]) or 0}
@@ -46,7 +68,7 @@ local wants = {1, need, 1, need}
 for i = 1, 4 do
   local limit = tonumber(ARGV[i + 1])
   if limit >= 0 and used[i] + wants[i] > limit then
-    return {0, names[i], used[i]}
+    return {0, live, names[i], used[i]}
   end
 end
 redis.call('HINCRBY', KEYS[1], 'r', 1)
@@ -55,8 +77,9 @@ redis.call('HINCRBY', KEYS[2], 'r', 1)
 redis.call('HINCRBY', KEYS[2], 't', need)
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('EXPIRE', KEYS[2], ARGV[7])
-return {1}
+return {1, live}
 """
+)
 
 # KEYS: minute hash, day hash (an empty name: that window is closed). ARGV: token delta,
 # minute ttl, day ttl.
@@ -76,6 +99,8 @@ redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
 return redis.call('ZCARD', KEYS[1])
 """
+
+INSTANCES = f"{PREFIX}:instances"
 
 
 @dataclass(frozen=True)
@@ -110,6 +135,8 @@ class SharedLimits:
         self._heartbeat = self.client.register_script(HEARTBEAT)
         self._settle = self.client.register_script(SETTLE)
         self.instances = 1
+        #: Told the share whenever the live count changes (set by ``serve``).
+        self._on_share: Callable[[float], None] = lambda share: None
         self.reachable = False
         self.away_since: float | None = None
         self.last_error: str | None = None
@@ -136,7 +163,7 @@ class SharedLimits:
             with trio.fail_after(COMMAND_TIMEOUT_S):
                 self.round_trips += 1
                 answer: Any = await self._reserve(
-                    keys=[minute_key(model, m), day_key(model, d)],
+                    keys=[minute_key(model, m), day_key(model, d), INSTANCES],
                     args=[
                         tokens,
                         arg(limits.rpm),
@@ -145,14 +172,26 @@ class SharedLimits:
                         arg(limits.tpd),
                         int(2 * MINUTE),
                         int(2 * DAY),
+                        *self._liveness(unix),
                     ],
                 )
         except (trio.TooSlowError, OSError, Exception) as exc:  # noqa: BLE001 - any failure: away
             self._away(exc)
             return Global(True)
+        self._count(int(answer[1]))
         if int(answer[0]) == 1:
             return Global(True)
-        return Global(False, str(answer[1]), int(answer[2]))
+        return Global(False, str(answer[2]), int(answer[3]))
+
+    def _liveness(self, unix: float) -> list[Any]:
+        return [self.instance, unix, unix - LIVE * self.heartbeat_s]
+
+    def _count(self, live: int) -> None:
+        """The live count just read: a change moves this instance's share at once."""
+        live = max(1, live)
+        if live != self.instances:
+            self.instances = live
+            self._on_share(self.share)
 
     def settle(self, reservation: Reservation, delta: int, unix: float) -> None:
         """Queue a settlement: ``delta`` tokens to the reservation's windows if still open,
@@ -187,10 +226,7 @@ class SharedLimits:
         try:
             with trio.fail_after(COMMAND_TIMEOUT_S):
                 self.round_trips += 1
-                count: Any = await self._heartbeat(
-                    keys=[f"{PREFIX}:instances"],
-                    args=[self.instance, unix, unix - 3 * self.heartbeat_s],
-                )
+                count: Any = await self._heartbeat(keys=[INSTANCES], args=self._liveness(unix))
         except (trio.TooSlowError, OSError, Exception) as exc:  # noqa: BLE001 - any failure: away
             self._away(exc)
             return
@@ -198,7 +234,7 @@ class SharedLimits:
             log.info("Redis at %s reachable; %d live instances share the limits", self.url, count)
         self.reachable = True
         self.away_since = None
-        self.instances = max(1, int(count))
+        self._count(int(count))
 
     async def serve(
         self,
@@ -211,15 +247,15 @@ class SharedLimits:
         or not Redis answered it (an instance starts even while Redis is away)."""
         # coredis' connection pool lives in this context (it reconnects by itself after Redis
         # returns; entering does not need Redis to be up).
+        self._on_share = on_share
         async with self.client, trio.open_nursery() as nursery:
             await self.beat(trio.current_time() + offset)
             on_share(self.share)
             nursery.start_soon(self._settlements)
             task_status.started()
             while True:
-                await trio.sleep(self.heartbeat_s)
+                await trio.sleep(self.heartbeat_s / BEATS)
                 await self.beat(trio.current_time() + offset)
-                on_share(self.share)
 
     async def _settlements(self) -> None:
         async for model, m, d, delta in self._settle_receive:
