@@ -89,6 +89,21 @@ async def test_past_its_wait_a_call_is_refused_with_retry_after_from_the_window(
     assert rows[-1][2]["instance"] == "i0"
 
 
+async def test_a_class_that_may_not_wait_is_refused_on_one_check(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm, rx = service({BIG: ModelLimits(rpm=1)}, (ClassSpec("now", 1.0, max_wait_s=0.0),))
+    await trio.sleep(10.0 - trio.current_time())
+    await adm.admit(call("a"), trio.current_time())
+    with pytest.raises(RateLimited) as info:
+        await adm.admit(call("b"), trio.current_time())
+    assert trio.current_time() == pytest.approx(10.0)
+    assert info.value.retry_after_s == pytest.approx(50.0)
+    # No queue row for a call that never waited, and nothing left in the queue.
+    assert [(p, a) for p, a, _ in decisions(rx)] == [("a", "admit"), ("b", "reject")]
+    assert not any(adm.queues.values())
+
+
 async def test_fifo_within_a_class_and_returning_programs_go_first(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

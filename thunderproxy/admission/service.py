@@ -203,7 +203,9 @@ class AdmissionService:
                 return reservation
         else:
             verdict = Verdict(False, retry_at=None)
-        if verdict.never:
+        if verdict.never or klass.max_wait_s <= 0:
+            # A class that may not wait is refused on this one check: no queue entry, no queue
+            # row for a call that never waited, no second and third check of the same limits.
             return verdict
         position = self._enqueue(queue, waiter)
         self.counts["queue"] += 1
