@@ -286,14 +286,21 @@ class SharedLimits:
 
 
 KV_PREFIX = "thunderproxy:kv"
+#: Least seconds between two publications of an instance's KV claims (one round trip each).
+NUDGE_GAP_S = 0.005
 
 # KEYS: live instances zset, this instance's hash of backend -> tokens. ARGV: instance, now,
-# stale before, ttl ms, hash prefix, then backend, tokens pairs. Writes this instance's tokens
-# and returns, flattened, each backend and the tokens all other live instances hold on it.
+# stale before, ttl ms, hash prefix, a program's affinity key ('': none), then backend, tokens
+# pairs. Writes this instance's tokens and returns the program's backend ('' when none is
+# recorded) followed, flattened, by each backend and the tokens all other live instances hold.
 PUBLISH_KV = """
 redis.call('DEL', KEYS[2])
-if #ARGV > 5 then
-  redis.call('HSET', KEYS[2], unpack(ARGV, 6))
+if #ARGV > 6 then
+  redis.call('HSET', KEYS[2], unpack(ARGV, 7))
+end
+local found = ''
+if ARGV[6] ~= '' then
+  found = redis.call('GET', ARGV[6]) or ''
 end
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
@@ -307,7 +314,7 @@ for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     end
   end
 end
-local out = {}
+local out = {found}
 for backend, tokens in pairs(sums) do
   out[#out + 1] = backend
   out[#out + 1] = tostring(tokens)
@@ -347,6 +354,11 @@ class SharedBackends:
         #: Tokens the other live instances claim on each backend, from the last heartbeat.
         self._others: dict[str, int] = {}
         self._others_at: float | None = None
+        #: Set when a call was placed: this instance's claims changed, publish them soon.
+        self._nudged = trio.Event()
+        #: This instance's claims and the Unix offset, once ``serve`` runs.
+        self._mine: Callable[[], dict[str, int]] | None = None
+        self._offset = 0.0
 
     def others(self, backend: str) -> int:
         """Tokens the other instances' programs claim on ``backend`` (0 when not known for
@@ -355,13 +367,18 @@ class SharedBackends:
             return 0
         return self._others.get(backend, 0)
 
-    async def publish(self, mine: dict[str, int], unix: float) -> None:
+    async def publish(
+        self, mine: dict[str, int], unix: float, program_id: str | None = None
+    ) -> str | None:
+        """Write this instance's claims and read the others' (and, given ``program_id``, the
+        backend it was placed on, or None) in one round trip."""
         args: list[Any] = [
             self.instance,
             unix,
             unix - 3 * self.heartbeat_s,
             int(3000 * self.heartbeat_s),
             f"{KV_PREFIX}:used:",
+            "" if program_id is None else f"{KV_PREFIX}:affinity:{program_id}",
         ]
         for backend, tokens in mine.items():
             if tokens > 0:
@@ -383,17 +400,26 @@ class SharedBackends:
                 )
             self.reachable = False
             self.last_error = f"{type(exc).__name__}: {exc}"
-            return
+            return None
         self.reachable = True
-        self._others = {str(answer[i]): int(answer[i + 1]) for i in range(0, len(answer), 2)}
+        self._others = {str(answer[i]): int(answer[i + 1]) for i in range(1, len(answer), 2)}
         self._others_at = trio.current_time()
+        return str(answer[0]) or None
 
     async def backend_of(self, program_id: str) -> str | None:
         """The backend another instance placed ``program_id`` on (it holds its cache), or None:
         never placed, forgotten after the idle lease, or Redis away (placement then goes by
-        load, as without Redis)."""
+        load, as without Redis).
+
+        The scheduler asks this before it admits a program new to this instance, so the same
+        round trip also publishes this instance's claims and reads the others': a burst of new
+        programs on several instances is admitted on claims milliseconds old, not a
+        heartbeat old, and the instances do not all fill the same room."""
         if not self.reachable:
             return None
+        if self._mine is not None:
+            unix = trio.current_time() + self._offset
+            return await self.publish(self._mine(), unix, program_id)
         try:
             with trio.fail_after(COMMAND_TIMEOUT_S):
                 self.round_trips += 1
@@ -408,6 +434,7 @@ class SharedBackends:
         path (a queue), dropped while Redis is away."""
         if not self.reachable:
             return
+        self._nudged.set()
         try:
             self._placed_send.send_nowait((program_id, backend))
         except trio.WouldBlock:
@@ -430,14 +457,22 @@ class SharedBackends:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Publish ``mine()`` and read the others' every heartbeat until cancelled; ready after
-        the first, whether or not Redis answered it."""
+        """Publish ``mine()`` and read the others' every heartbeat until cancelled, and also
+        soon after a call is placed (at most every ``NUDGE_GAP_S``): a burst of new programs
+        then reaches the other instances within milliseconds, not a heartbeat later, so they
+        do not all fill the same room. Ready after the first, whether or not Redis answered."""
+        gap = min(NUDGE_GAP_S, self.heartbeat_s)
+        self._offset = offset
         async with self.client, trio.open_nursery() as nursery:
             await self.publish(mine(), trio.current_time() + offset)
+            self._mine = mine
             nursery.start_soon(self._placements)
             task_status.started()
             while True:
-                await trio.sleep(self.heartbeat_s)
+                with trio.move_on_after(self.heartbeat_s - gap):
+                    await self._nudged.wait()
+                await trio.sleep(gap)  # calls placed meanwhile go in the same publish
+                self._nudged = trio.Event()
                 await self.publish(mine(), trio.current_time() + offset)
 
     def statistics(self) -> dict[str, Any]:
