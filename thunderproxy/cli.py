@@ -74,6 +74,14 @@ def serve(ctx: click.Context, /, **values: Any) -> None:
     if settings.datasette:
         # trio-asyncio has to patch asyncio before Quart imports aiofiles (see explore.mount).
         from .explore import mount  # noqa: F401
+    if settings.workers > 1:
+        from .scaleout import supervise
+
+        try:
+            code = supervise(settings)
+        except ThunderproxyError as exc:
+            raise click.ClickException(exc.message) from None
+        sys.exit(code)
     from .runtime import run
 
     try:

@@ -115,6 +115,10 @@ def _passthrough(value: Any) -> str | None:
     return None
 
 
+def _workers(value: Any) -> str | None:
+    return None if 1 <= value <= 256 else "must be from 1 to 256 processes"
+
+
 def _fraction(value: Any) -> str | None:
     return None if 0 < value <= 1 else "must be in (0, 1]"
 
@@ -435,9 +439,17 @@ class Settings:
     redis_heartbeat: float = setting(
         1.0 * SECONDS,
         "Seconds within which an instance that stopped is counted out and its share of the "
-        "limits goes to the others (each instance beats eight times a heartbeat); the KV claims "
-        "are published once a heartbeat.",
+        "limits goes to the others (each instance beats eight times a heartbeat); tr's KV "
+        "claims are published at least once a heartbeat.",
         check=_positive,
+    )
+    workers: int = setting(
+        1,
+        "Serve processes behind the one --port (SO_REUSEPORT: the kernel spreads connections "
+        "among them); more than 1 needs --redis, through which they share limits, KV claims and "
+        "program affinity. Each writes its own audit db: --db with .wK before its suffix "
+        "(docs/DEPLOY.md).",
+        check=_workers,
     )
     certfile: str = setting(
         "", "TLS certificate (PEM) to serve HTTPS with; needs --keyfile. Empty: plain HTTP."
@@ -900,6 +912,17 @@ def load_settings(
         _check_aliases(settings, Where(file.path, "aliases"))
     if settings.protect_reads and not settings.admin_token:
         raise ConfigError("--protect-reads needs --admin-token: set the token readers must send.")
+    if settings.workers > 1 and not settings.redis:
+        raise ConfigError(
+            f"--workers {settings.workers} needs --redis: processes behind one port see each "
+            "other's programs and limits only through Redis; pass --redis "
+            "redis://host:6379/0, or --workers 1."
+        )
+    if settings.workers > 1 and not settings.backends:
+        raise ConfigError(
+            f"--workers {settings.workers} needs --backends: each process would start an "
+            "embedded simulator of its own; pass --backends URL, or --workers 1."
+        )
     return settings
 
 

@@ -84,15 +84,22 @@ def recognition_config(settings: Settings) -> RecognitionConfig:
     return RecognitionConfig(**{name: name in on for name in RECOGNITION_SOURCES})
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
+def bind_listener(
+    host: str, port: int, *, reuse_port: bool = False, listen: bool = True
+) -> socket.socket:
     """The proxy's listening socket, bound before anything else starts; a port that cannot be
-    had is a ConfigError that names it and the remedy."""
+    had is a ConfigError that names it and the remedy. ``reuse_port``: one of the processes of
+    ``serve --workers N``, which the kernel spreads connections among (``thunderproxy.scaleout``);
+    ``listen=False`` only holds the port (the supervisor's socket, which takes no connection)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
-        sock.listen(BACKLOG)
+        if listen:
+            sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
@@ -223,6 +230,7 @@ async def run(
     *,
     shutdown: trio.Event | None = None,
     handle_signals: bool = False,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[RunningProxy] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the proxy until ``shutdown`` is set (or a signal arrives, with ``handle_signals``).
@@ -231,7 +239,7 @@ async def run(
     backends answered /health (or ``ready_timeout`` passed) and LLM calls are served."""
     shutdown = shutdown or trio.Event()
     # Everything a newcomer can get wrong is checked before anything starts (simulator too).
-    listener = bind_listener(settings.host, settings.port)
+    listener = bind_listener(settings.host, settings.port, reuse_port=reuse_port)
     try:
         await trio.to_thread.run_sync(check_database_path, settings.db)
     except BaseException:
@@ -432,8 +440,10 @@ async def run(
                 ),
             )
             log.info(
-                "thunderproxy %s listening on %s (router=%s, backends=%s, db=%s)",
+                "thunderproxy %s %s %s (router=%s, backends=%s, db=%s)",
                 __version__,
+                # One of several processes on the port: the supervisor says when all listen.
+                "worker serving on" if reuse_port else "listening on",
                 binds[0],
                 settings.router,
                 ",".join(pool.urls),

@@ -1,0 +1,117 @@
+"""``thunderproxy serve --workers 2 --redis``: two proxy processes on one port, sharing tr's view
+of the backends through a real redis-server, in front of a real simulated vLLM process. The
+kernel spreads the connections over both; every stream is served; and the two together never
+drive the backend into preemption, read from the simulator's own /metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+# The fixtures: a redis-server (installed if missing) on a free port.
+from tests.admission.conftest import RedisServer, redis_binary, redis_server  # noqa: F401
+from thunderproxy.bench.scaleout import ScaleoutConfig, run_arrangement
+from thunderproxy.scaleout import worker_db
+from thunderproxy.sim import SimConfig, open_simulator
+
+# 64 agents of 3 steps on one backend whose KV holds about a fifth of their programs at once:
+# without shared claims the two processes would fill it twice over (the bench's ``apart``).
+LOAD = ScaleoutConfig(
+    streams=64,
+    steps=3,
+    backends=1,
+    kv_tokens=24_576,
+    tool_s=0.2,
+    time_scale=0.02,
+    arrangements=("shared",),
+    limit_s=120.0,
+)
+
+
+async def test_two_workers_share_one_port_and_tr_state(tmp_path: Path, redis_binary: str) -> None:  # noqa: F811
+    outcome = await run_arrangement(LOAD, "shared", tmp_path)
+    print(outcome)
+    assert outcome.failed == 0, outcome.failures
+    assert outcome.calls == LOAD.streams * LOAD.steps
+    # Both workers took connections, and between them recorded every call.
+    assert len(outcome.calls_per_worker) == 2
+    assert min(outcome.calls_per_worker) > 0, outcome.calls_per_worker
+    assert sum(outcome.calls_per_worker) == outcome.calls
+    assert outcome.preemptions == 0, outcome
+    assert outcome.kv_usage_peak <= 1.0
+
+
+def test_workers_without_redis_are_refused_with_the_remedy(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "thunderproxy", "serve", "--workers", "2"]
+    argv += ["--backends", "http://127.0.0.1:9", "--db", str(tmp_path / "p.db")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    assert "--workers 2 needs --redis" in done.stderr
+    assert "pass --redis redis://host:6379/0, or --workers 1" in done.stderr
+    assert not (tmp_path / "p.db").exists()
+    assert not Path(worker_db(str(tmp_path / "p.db"), 1)).exists()
+
+
+@pytest.mark.parametrize(
+    ("db", "k", "expected"),
+    [
+        ("thunderproxy.db", 1, "thunderproxy.w1.db"),
+        ("/var/tp/audit", 2, "/var/tp/audit.w2"),
+        ("", 3, ""),
+    ],
+)
+def test_each_worker_has_its_own_audit_db(db: str, k: int, expected: str) -> None:
+    assert worker_db(db, k) == expected
+
+
+async def test_a_dead_worker_is_started_again_and_a_signal_stops_them_all(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    async with open_simulator(SimConfig(time_scale=0.02)) as sim:
+        argv = [sys.executable, "-m", "thunderproxy", "serve", "--workers", "2", "--port", "0"]
+        argv += ["--backends", sim.url, "--redis", redis_server.url, "--no-datasette"]
+        argv += ["--db", str(tmp_path / "p.db")]
+        process = await trio.lowlevel.open_process(argv, stderr=subprocess.PIPE)
+        assert process.stderr is not None
+        seen = b""
+
+        async def until(pattern: bytes) -> re.Match[bytes]:
+            nonlocal seen
+            with trio.fail_after(30):
+                while not (found := re.search(pattern, seen)):
+                    chunk = await process.stderr.receive_some()  # type: ignore[union-attr]
+                    assert chunk, seen.decode()
+                    seen += chunk
+            return found
+
+        try:
+            listening = await until(rb"listening on (http://\S+) \(2 workers, pids (\d+),(\d+)")
+            url = listening.group(1).decode()
+            first, second = int(listening.group(2)), int(listening.group(3))
+            os.kill(first, signal.SIGKILL)
+            await until(rb"worker 1 \(pid %d\) exited with -9; starting it again" % first)
+            again = await until(rb"worker 1 \(pid (\d+)\) serves again")
+            restarted = int(again.group(1))
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                for _ in range(4):  # new connections: the kernel may send each to either worker
+                    r = await client.get("/health", headers={"Connection": "close"})
+                    assert r.status_code == 200
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                assert await process.wait() == 0
+            for pid in (second, restarted):
+                with pytest.raises(ProcessLookupError):
+                    os.kill(pid, 0)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()

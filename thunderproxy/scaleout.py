@@ -1,0 +1,234 @@
+"""``serve --workers N``: N proxy processes behind one port, sharing state through Redis.
+
+One Python process serves at most one core's worth of HTTP; past that, more processes. The
+supervisor (this module, in the process ``serve`` started) holds the port with a socket bound
+with SO_REUSEPORT that never listens, then forks N workers before any thread or event loop
+exists. Each worker is a whole proxy (``runtime.run``) that binds the same port with
+SO_REUSEPORT and listens: the kernel hashes every new connection to one of the listening
+sockets, so connections spread evenly with no process in the data path. (The alternative, one
+listening socket inherited by every worker, lets whichever worker wakes first take a
+connection, and a busy worker keeps taking them; docs/DEPLOY.md.)
+
+What the workers share goes through ``--redis``, exactly as separate instances on separate
+hosts would share it: the limits' global windows and each one's share (``admission/shared.py``),
+the KV tokens each one's programs claim on every backend (tr subtracts the others' claims from
+each backend's capacity) and which backend each program was placed on. Each worker writes its
+own audit db (``--db`` with ``.wK`` before the suffix), so no two processes write one SQLite file
+or restore each other's programs.
+
+The supervisor forwards SIGINT/SIGTERM to the workers (each drains as a single proxy does) and
+exits when all have. A worker that dies after it served is started again; one that dies before
+it served (a worker that cannot start will not start the next time either) stops every worker,
+and ``serve`` exits with an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import select
+import signal
+import sys
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from . import __version__
+from .config import Settings
+from .errors import ThunderproxyError
+
+log = logging.getLogger("thunderproxy.scaleout")
+
+#: How often the supervisor looks for workers that ended, while it has nothing else to do.
+POLL_S = 0.2
+
+
+def worker_db(db: str, k: int) -> str:
+    """Worker ``k``'s audit db: ``thunderproxy.db`` -> ``thunderproxy.w1.db`` (empty stays
+    empty: no db)."""
+    if not db:
+        return db
+    path = Path(db)
+    return str(path.with_name(f"{path.stem}.w{k}{path.suffix}"))
+
+
+def worker_settings(settings: Settings, k: int, port: int) -> Settings:
+    """What worker ``k`` runs with: the port the supervisor holds, a db of its own."""
+    return dataclasses.replace(settings, port=port, db=worker_db(settings.db, k), workers=1)
+
+
+def _our_error(exc: BaseException) -> ThunderproxyError | None:
+    if isinstance(exc, ThunderproxyError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _our_error(exc.exceptions[0])
+    return None
+
+
+def _worker(settings: Settings, ready: int) -> int:
+    """The body of one forked worker: a whole proxy on the shared port. Writes its pid and a
+    newline to ``ready`` once it serves; returns its exit status."""
+    from .runtime import run
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(run, settings, handle_signals=True, reuse_port=True))
+            os.write(ready, f"{os.getpid()}\n".encode())
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - a worker reports and exits, never raises
+        error = _our_error(exc)
+        if error is None:
+            log.exception("worker %d stopped on an error", os.getpid())
+        else:
+            print(f"Error: {error.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class Supervisor:
+    """Forks the workers, waits for them, restarts one that dies, stops them all on a signal."""
+
+    def __init__(self, settings: Settings) -> None:
+        from .runtime import bind_listener
+
+        self.settings = settings
+        # Holds the port (and resolves --port 0) without listening: no connection comes here.
+        self.holder = bind_listener(settings.host, settings.port, reuse_port=True, listen=False)
+        self.port: int = self.holder.getsockname()[1]
+        self.ready_read, self.ready_write = os.pipe()
+        os.set_blocking(self.ready_read, False)
+        #: pid -> worker number, and the pids that said they serve.
+        self.workers: dict[int, int] = {}
+        self.serving: set[int] = set()
+        self._said = b""
+        self.stopping = False
+        self.ready_logged = False
+        self.failed = 0
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
+        return f"{'https' if self.settings.certfile else 'http'}://{host}:{self.port}"
+
+    def start(self, k: int) -> None:
+        settings = worker_settings(self.settings, k, self.port)
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                self.holder.close()
+                os.close(self.ready_read)
+                code = _worker(settings, self.ready_write)
+            finally:
+                logging.shutdown()
+                sys.stderr.flush()
+                os._exit(code)
+        self.workers[pid] = k
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        if not self.stopping:
+            log.info(
+                "%s: stopping %d workers (each drains its requests first)",
+                signal.Signals(signum).name,
+                len(self.workers),
+            )
+        self.stopping = True
+        for pid in self.workers:
+            try:
+                os.kill(pid, signum)  # a second signal stops them at once, as it does one proxy
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        self.on_signal(signal.SIGTERM, None)
+
+    def reap(self) -> None:
+        """Collect workers that ended; start again one that died while the others serve."""
+        while self.workers:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self.workers.clear()
+                return
+            if pid == 0:
+                return
+            k = self.workers.pop(pid, 0)
+            served = pid in self.serving
+            self.serving.discard(pid)
+            code = os.waitstatus_to_exitcode(status)
+            if self.stopping or k == 0:
+                continue
+            if not served:
+                log.error(
+                    "worker %d (pid %d) exited with %d before it served; stopping the others "
+                    "(its error is above)",
+                    k,
+                    pid,
+                    code,
+                )
+                self.failed = code or 1
+                self.stop()
+                continue
+            log.warning("worker %d (pid %d) exited with %d; starting it again", k, pid, code)
+            self.start(k)
+
+    def read_ready(self) -> None:
+        """Note the workers that said they serve (waits up to ``POLL_S`` for one to say so)."""
+        readable, _, _ = select.select([self.ready_read], [], [], POLL_S)
+        if not readable:
+            return
+        try:
+            self._said += os.read(self.ready_read, 4096)
+        except BlockingIOError:
+            return
+        *lines, self._said = self._said.split(b"\n")
+        for line in lines:
+            pid = int(line)
+            if pid in self.workers:
+                self.serving.add(pid)
+                if self.ready_logged:
+                    log.info("worker %d (pid %d) serves again", self.workers[pid], pid)
+
+    def wait_ready(self) -> bool:
+        """Until every worker first serves (True), or one failed and all were stopped."""
+        while len(self.serving) < self.settings.workers and not self.stopping:
+            self.read_ready()
+            self.reap()
+        return not self.stopping
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
+        for k in range(1, self.settings.workers + 1):
+            self.start(k)
+        if self.wait_ready():
+            log.info(
+                "thunderproxy %s listening on %s (%d workers, pids %s, router=%s)",
+                __version__,
+                self.url,
+                self.settings.workers,
+                ",".join(str(pid) for pid in self.workers),
+                self.settings.router,
+            )
+        self.ready_logged = True
+        while self.workers:
+            self.read_ready()
+            self.reap()
+        self.holder.close()
+        return self.failed
+
+
+def supervise(settings: Settings) -> int:
+    """Run ``settings.workers`` proxies on one port until SIGINT/SIGTERM; the exit status."""
+    return Supervisor(settings).run()
+
+
+__all__ = ["Supervisor", "supervise", "worker_db", "worker_settings"]
