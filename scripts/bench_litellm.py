@@ -19,6 +19,7 @@ import json
 import math
 import os
 import socket
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -224,11 +225,26 @@ async def main() -> None:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(run_tp)
                     nursery.start_soon(run_ll)
+            # What the proxies themselves admitted in that minute, by the time they admitted
+            # each call (the client's count goes by when it sent it: a call sent just before
+            # the minute ended and admitted just after counts in the minute it was sent).
+            by_proxy = 0
+            for i in range(2):
+                conn = sqlite3.connect(Path(tmp) / f"tp{i}.db")
+                by_proxy += conn.execute(
+                    "select count(*) from decisions where action = 'admit' "
+                    "and rule like 'admission.%' and cast(at / 60 as integer) = ?",
+                    (minute,),
+                ).fetchone()[0]
+                conn.close()
         finally:
             for server in servers:
                 server.kill()
     for name in ("litellm", "thunderproxy"):
-        print(json.dumps(report(name, results[name], args.rpm, minute)))
+        seen = report(name, results[name], args.rpm, minute)
+        if name == "thunderproxy":
+            seen["admitted_in_minute_by_proxy"] = by_proxy
+        print(json.dumps(seen))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Scale-out: several proxy processes in front of the same backends, sharing tr's state through
 Redis, against one process and against processes that share nothing.
 
-    python -m thunderproxy.bench.scaleout [--streams 256] [--steps 4] [--backends 2]
-        [--kv-tokens 49152] [--arrangements one,shared,apart] [--json FILE]
+    python -m thunderproxy.bench.scaleout [--streams 256] [--steps 3] [--backends 2]
+        [--kv-tokens 32768] [--arrangements one,shared,apart] [--json FILE]
 
 Per arrangement, a fresh set of simulated vLLM backends (``thunderproxy sim`` processes) and of
 proxies (``tr`` router):
@@ -15,8 +15,13 @@ proxies (``tr`` router):
 
 ``--streams`` coding agents run at once; each sends ``--steps`` streamed chat calls (the whole
 conversation so far, a fixed-length answer), with a tool pause between them, then releases its
-program. Reported per arrangement: calls, failed calls (any status but 200, or a stream that
-ended without ``[DONE]``), wall seconds, and what the backends themselves said in their
+program. Each agent has an HTTP client of its own (one kept-alive connection, so with
+``--workers`` one worker), as an agent process would; with ``--pooled`` the agents of a proxy
+share one client, whose connections carry any agent's next call (a program's calls then reach
+either worker, and the affinity record sends them to the same backend).
+
+Reported per arrangement: calls, failed calls (any status but 200, or a stream that ended
+without ``[DONE]``), wall seconds, and what the backends themselves said in their
 ``/metrics``, sampled every 0.1 s: the peak of ``vllm:kv_cache_usage_perc`` (1.0: full), the
 peak of ``vllm:num_requests_waiting``, and ``vllm:num_preemptions_total`` at the end (a request
 preempted because the running batch outgrew the KV), summed over backends. For ``shared``, also
@@ -65,18 +70,21 @@ ARRANGEMENTS = ("one", "shared", "apart")
 @dataclass(frozen=True)
 class ScaleoutConfig:
     streams: int = 256
-    steps: int = 4
+    steps: int = 3
     backends: int = 2
-    #: KV capacity of each simulated backend, in tokens.
-    kv_tokens: int = 49_152
+    #: KV capacity of each simulated backend, in tokens: about a quarter of what the programs
+    #: of every stream would claim at once.
+    kv_tokens: int = 32_768
     output_tokens: int = 48
     #: Characters of each program's task and of each tool observation (about 4 per token).
     task_chars: int = 1_600
     observation_chars: int = 600
     tool_s: float = 0.5
-    time_scale: float = 0.05
+    time_scale: float = 0.02
     workers: int = 2
     arrangements: tuple[str, ...] = ARRANGEMENTS
+    #: One client per proxy for all its agents, instead of one per agent.
+    pooled: bool = False
     #: Bound on one arrangement's run.
     limit_s: float = 900.0
 
@@ -281,21 +289,28 @@ async def run_arrangement(config: ScaleoutConfig, arrangement: str, tmp: Path) -
                     proxy = await start_child(nursery, f"proxy{k}", argv, PROXY_LISTENING)
                     children.append(proxy)
                     proxies.append(proxy.url)
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            # One client, so one kept-alive connection, per agent, as an agent process has:
+            # with --workers the kernel sends each agent's connection to one worker.
+            pooled = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            per_proxy = [
+                httpx.AsyncClient(base_url=url, timeout=600, limits=pooled) for url in proxies
+            ]
             clients = [
-                httpx.AsyncClient(base_url=url, timeout=600, limits=limits) for url in proxies
+                per_proxy[a % len(proxies)]
+                if config.pooled
+                else httpx.AsyncClient(base_url=proxies[a % len(proxies)], timeout=600)
+                for a in range(config.streams)
             ]
             stop = trio.Event()
             nursery.start_soon(sample, backends, outcome, stop)
             started = trio.current_time()
             with trio.fail_after(config.limit_s):
                 async with trio.open_nursery() as agents:
-                    for a in range(config.streams):
-                        client = clients[a % len(clients)]
+                    for a, client in enumerate(clients):
                         agents.start_soon(coding_agent, client, f"agent-{a}", config, outcome)
             outcome.wall_s = round(trio.current_time() - started, 1)
             stop.set()
-            for client in clients:
+            for client in {*clients, *per_proxy}:
                 await client.aclose()
             await trio.sleep(0.3)  # the sampler's last round
             for child in reversed(children):
@@ -332,6 +347,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-scale", type=float, default=default.time_scale)
     parser.add_argument("--tool-s", type=float, default=default.tool_s)
     parser.add_argument("--arrangements", default=",".join(default.arrangements))
+    parser.add_argument(
+        "--pooled", action="store_true", help="one client per proxy for all its agents"
+    )
     parser.add_argument("--json", type=Path, help="also write the outcomes to this file")
     args = parser.parse_args(argv)
     arrangements = tuple(a for a in args.arrangements.split(",") if a)
@@ -347,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         time_scale=args.time_scale,
         tool_s=args.tool_s,
         arrangements=arrangements,
+        pooled=args.pooled,
     )
     try:
         outcomes = trio.run(run_scaleout, config)
