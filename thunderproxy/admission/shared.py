@@ -135,6 +135,8 @@ class SharedLimits:
         self._heartbeat = self.client.register_script(HEARTBEAT)
         self._settle = self.client.register_script(SETTLE)
         self.instances = 1
+        #: When the live count last changed (trio time), for /health.
+        self.counted_at: float | None = None
         #: Told the share whenever the live count changes (set by ``serve``).
         self._on_share: Callable[[float], None] = lambda share: None
         self.reachable = False
@@ -191,6 +193,7 @@ class SharedLimits:
         live = max(1, live)
         if live != self.instances:
             self.instances = live
+            self.counted_at = trio.current_time()
             self._on_share(self.share)
 
     def settle(self, reservation: Reservation, delta: int, unix: float) -> None:
@@ -282,6 +285,10 @@ class SharedLimits:
             else math.floor(trio.current_time() - self.away_since),
             "last_error": self.last_error,
             "round_trips": self.round_trips,
+            # How long ago the live count last changed: when an instance was counted in or out.
+            "counted_s_ago": None
+            if self.counted_at is None
+            else round(trio.current_time() - self.counted_at, 3),
         }
 
 
@@ -359,6 +366,8 @@ class SharedBackends:
         #: This instance's claims and the Unix offset, once ``serve`` runs.
         self._mine: Callable[[], dict[str, int]] | None = None
         self._offset = 0.0
+        #: One lookup at a time: each then publishes the programs admitted after the one before.
+        self._lookups = trio.Lock()
 
     def others(self, backend: str) -> int:
         """Tokens the other instances' programs claim on ``backend`` (0 when not known for
@@ -413,13 +422,21 @@ class SharedBackends:
 
         The scheduler asks this before it admits a program new to this instance, so the same
         round trip also publishes this instance's claims and reads the others': a burst of new
-        programs on several instances is admitted on claims milliseconds old, not a
+        programs on several instances is admitted on claims one round trip old, not a
         heartbeat old, and the instances do not all fill the same room."""
         if not self.reachable:
             return None
         if self._mine is not None:
-            unix = trio.current_time() + self._offset
-            return await self.publish(self._mine(), unix, program_id)
+            # The scheduler admits the program right after this returns, with no checkpoint in
+            # between; one lookup at a time, each publishes the claims of the programs the ones
+            # before it admitted (concurrent lookups would all publish the claims from before
+            # the burst, and every instance would fill the same room). Redis slow or away: the
+            # first lookup to fail marks it away and the others return at once.
+            async with self._lookups:
+                if not self.reachable:
+                    return None
+                unix = trio.current_time() + self._offset
+                return await self.publish(self._mine(), unix, program_id)
         try:
             with trio.fail_after(COMMAND_TIMEOUT_S):
                 self.round_trips += 1
