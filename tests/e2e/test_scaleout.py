@@ -23,9 +23,9 @@ from thunderproxy.scaleout import worker_db
 from thunderproxy.sim import SimConfig, open_simulator
 
 # Agents on backends whose KV holds a fraction of their programs at once. The small load runs in
-# the default suite; the slow one is the scale-out's target, 256 streams at once, which does not
-# hold yet: a burst of new programs on both workers is admitted on claims read before it, and
-# the engines preempted 2 calls of 768 (docs/DEPLOY.md, "Known gap").
+# the default suite; the slow one is the scale-out's target, 256 streams at once, which the
+# bench met once and missed twice (2 preemptions of 768) before new programs' lookups ran one at
+# a time (docs/DEPLOY.md, "Known gap").
 SMALL = ScaleoutConfig(
     streams=16,
     steps=2,
