@@ -111,6 +111,7 @@ def test_a_sweep_without_matplotlib_says_how_to_install_it(
         pytest.param(("--target", "nginx"), "is not one of", id="target"),
         pytest.param(("--trace", "nope.jsonl"), "not found", id="trace"),
         pytest.param(("--set", "pause_cooldown"), "NAME=VALUE", id="set"),
+        pytest.param(("--carry-answer", "2"), "[0, 1]", id="carry-answer"),
     ],
 )
 def test_mistakes_are_reported_before_anything_runs(
@@ -150,3 +151,25 @@ def test_the_explorer_puts_a_bench_runs_targets_side_by_side(tmp_path: Path) -> 
     earlier = run_canned(tmp_path / "b.db", "bench_compare", bench_run="1")
     assert [r["target"] for r in earlier] == ["default", "tr", "oracle"]
     assert earlier[0]["vs_default"] == 1.0
+
+
+def test_workload_shape_flags_reach_the_prompts_and_no_release_leaves_programs_open(
+    tmp_path: Path,
+) -> None:
+    code, output = bench(
+        tmp_path, "--target", "tr", "--shared-prefix-tokens", "2500", "--carry-answer", "0.3",
+        "--no-release", "--json", str(tmp_path / "out.json"),
+    )  # fmt: skip
+    assert code == 0, output
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["programs_completed"] == 3
+    assert any(n.startswith("shared prefix: 2500 tokens") for n in doc["notes"])
+    assert any("last 0.3 of each answer" in n for n in doc["notes"])
+    assert doc["config"]["release"] is False
+    db = tmp_path / "b.db"
+    released = "select count(*) from transitions where reason = 'released by client'"
+    assert rows(db, released) == [(0,)]
+    # The same run with releases: every program is released by its agent.
+    code, output = bench(tmp_path, "--target", "tr", "--shared-prefix-tokens", "2500")
+    assert code == 0, output
+    assert rows(db, released + " and run_id = (select max(run_id) from transitions)") == [(3,)]

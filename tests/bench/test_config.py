@@ -109,6 +109,8 @@ def test_the_oracle_holds_every_token_and_the_others_the_asked_capacity() -> Non
         pytest.param({"arrivals": "poisson"}, "--rate", id="poisson-rate"),
         pytest.param({"profile": "tpu"}, "--profile", id="profile"),
         pytest.param({"targets": ("offload",)}, "--virtual only", id="offload-real-time"),
+        pytest.param({"shared_prefix_tokens": -5}, ">= 0", id="shared-prefix"),
+        pytest.param({"carry_answer": 1.3}, "fraction", id="carry-answer"),
     ],
 )
 def test_inconsistent_options_are_refused(kwargs: dict[str, object], message: str) -> None:

@@ -84,3 +84,42 @@ def test_block_prompts_share_exactly_their_common_blocks() -> None:
     # The same block ids always give the same text, even after the cache forgot them.
     again = BlockText(vocabulary, 512).prompt((0, 1, 2), 1400 - 9)
     assert again == blocks.prompt((0, 1, 2), 1400 - 9)
+
+
+def test_an_answer_carried_in_part_keeps_its_last_tokens_and_none_of_its_kv() -> None:
+    vocabulary = Vocabulary()
+    tokenizer = vocabulary.tokenizer
+    conversation = Conversation("p", vocabulary, system=system_prompt(vocabulary, 500))
+    conversation.prepare(StepSpec(prompt_tokens=1_000, output_tokens=60))
+    asked = conversation.prompt_ids()
+    text, answer = model_answer(tokenizer, 60, "thinking")
+    conversation.answer(text, answer, carried=18)
+    conversation.prepare(StepSpec(prompt_tokens=1_400, output_tokens=5))
+    ids = conversation.prompt_ids()
+    assert ids == simulator_ids(conversation, tokenizer)
+    # The next prompt holds the last tokens of the answer (a leading space is left out: it
+    # would merge with the template's newline), not its first ones.
+    kept = tokenizer.encode(conversation.messages[-2].content)
+    assert 17 <= len(kept) <= 18
+    assert kept == answer[len(answer) - len(kept) :]
+    # The history matches what the engine computed up to the generation prompt, and no further:
+    # the KV of the decoded answer cannot be reused.
+    assert ids[: len(asked)] == asked
+    assert ids[len(asked) : len(asked) + 8] != answer[:8]
+    assert conversation.reusable_tokens == len(asked)
+
+
+def test_an_answer_carried_whole_or_not_at_all() -> None:
+    vocabulary = Vocabulary()
+    tokenizer = vocabulary.tokenizer
+    whole = Conversation("p", vocabulary, system=None)
+    none = Conversation("p", vocabulary, system=None)
+    text, answer = model_answer(tokenizer, 30, "a")
+    for conversation, carried in ((whole, None), (none, 0)):
+        conversation.prepare(StepSpec(prompt_tokens=300, output_tokens=30))
+        conversation.answer(text, answer, carried=carried)
+        assert conversation.prompt_ids() == simulator_ids(conversation, tokenizer)
+    assert whole.messages[-1].content == text
+    assert whole.reusable_tokens == len(whole.ids)
+    assert none.messages[-1].content == ""
+    assert len(none.ids) == len(whole.ids) - len(answer)

@@ -209,3 +209,29 @@ def test_a_target_that_stops_making_progress_is_reported(
 
 async def _never_answers(*_args: object, **_kw: object) -> None:
     await trio.sleep_forever()
+
+
+def test_the_simulator_sees_the_shared_prefix_and_no_kv_of_answers_not_carried() -> None:
+    rows = thunderagent_rows(programs=3, steps=4, output=(60, 120))
+    recorded = workload.thunderagent(rows, shuffle=False)
+    config = BenchConfig(virtual=True, concurrency=1, kv_tokens=200_000)
+    logs = {}
+    for carry in (1.0, 0.0):
+        shaped = recorded.reshape(shared_prefix_tokens=3_000, carry_answer=carry)
+        result = virtual.run(shaped, config, "direct")
+        assert result.figures["errors"] == 0
+        assert result.figures["evicted_prefix_tokens"] == 0
+        logs[carry] = {(s.program_id, s.step): s for s in result.log.steps}
+    for carry, steps in logs.items():
+        for (program_id, step), s in steps.items():
+            assert s.cached_tokens is not None
+            if step == 1 and program_id != "bs4/task-0":
+                # A program's first call finds the prefix every program shares (whole blocks).
+                assert 3_000 - 16 <= s.cached_tokens < 3_000 + 16
+            elif step > 1:
+                # Later calls find their history up to where the engine's KV ends: with the
+                # answers carried, the answer too; without, the prompt before it and no more.
+                previous = steps[program_id, step - 1]
+                upto = previous.prompt_tokens + (previous.output_tokens if carry else 0)
+                assert s.reusable_tokens - 16 < s.cached_tokens <= s.reusable_tokens
+                assert upto - 16 < s.cached_tokens <= upto + 1

@@ -94,8 +94,12 @@ def test_context_sizes() -> None:
     program = workload.ProgramSpec("p", steps)
     assert program.context_tokens == 1800
     w = workload.Workload("w", (program,), system_tokens=50)
-    assert w.no_eviction_tokens() == 1850
+    assert w.no_eviction_tokens() == 1800  # the shared prefix is part of the program's context
     assert w.mean_context_tokens() == 1450
+    # Two programs hold the shared prefix once; an answer not carried whole is KV never reused.
+    other = workload.ProgramSpec("q", (StepSpec(1000, 100, carried_tokens=30), StepSpec(1430, 9)))
+    both = workload.Workload("w", (program, other), system_tokens=50)
+    assert both.no_eviction_tokens() == 50 + 1750 + (1439 - 50) + 100
 
 
 def test_poisson_arrivals_are_seeded_and_have_the_asked_rate() -> None:
@@ -118,3 +122,62 @@ def test_sampling_keeps_a_seeded_fraction_in_order() -> None:
     assert w.sample(1.0) is w
     with pytest.raises(ValueError, match="fraction"):
         w.sample(0.0)
+
+
+def test_reshaping_moves_the_shared_prefix_and_drops_uncarried_answers_from_later_prompts() -> None:
+    rows = thunderagent_rows(programs=2, steps=3)
+    w = workload.thunderagent(rows, shuffle=False)
+    shaped = w.reshape(shared_prefix_tokens=13_000, carry_answer=0.3)
+    assert shaped.system_tokens == 13_000
+    grow = 13_000 - (SCHEMA_TOKENS + TEMPLATE_TOKENS)
+    for before, after in zip(w.programs, shaped.programs, strict=True):
+        dropped = 0
+        for old, new in zip(before.steps, after.steps, strict=True):
+            # What the program adds of its own (observations) is unchanged; the prompt holds
+            # the bigger shared prefix and only 30% of each answer before it.
+            assert new.prompt_tokens == old.prompt_tokens + grow - dropped
+            assert new.carried_tokens == round(0.3 * old.output_tokens)
+            assert (new.output_tokens, new.gap_before_s) == (old.output_tokens, old.gap_before_s)
+            dropped += old.output_tokens - new.carried
+    assert shaped.notes[-2].startswith("shared prefix: 13000 tokens instead of 1800")
+    assert w.reshape() is w
+    # Carrying everything again is the recorded workload's prompts.
+    assert [s.prompt_tokens for p in shaped.reshape(carry_answer=1).programs for s in p.steps] == [
+        s.prompt_tokens + grow for p in w.programs for s in p.steps
+    ]
+
+
+def test_reshaping_refuses_block_prompts_and_bad_values() -> None:
+    requests, sessions = mooncake_rows()
+    with pytest.raises(ValueError, match="block prompts"):
+        workload.mooncake(requests, sessions).reshape(carry_answer=0.5)
+    w = workload.thunderagent(thunderagent_rows(programs=1, steps=2))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        w.reshape(carry_answer=1.5)
+    with pytest.raises(ValueError, match=">= 0"):
+        w.reshape(shared_prefix_tokens=-1)
+
+
+def test_a_calls_file_may_say_its_shared_prefix_and_what_answers_carry() -> None:
+    rows = thunderagent_rows(programs=2, steps=3)
+    for row in rows:
+        row["shared_prefix_tokens"] = 350
+    rows[0]["carry_answer"] = False
+    rows[1]["carry_answer"] = 0.5
+    w = workload.thunderagent(rows, shuffle=False)
+    # input_tokens is then the whole prompt: no tool-schema block is imputed around it.
+    assert w.system_tokens == 350
+    first = w.programs[0].steps
+    assert [s.prompt_tokens for s in first] == [r["input_tokens"] for r in rows[:3]]
+    assert [s.carried_tokens for s in first] == [0, round(0.5 * first[1].output_tokens), None]
+    assert any("carry_answer says on 2 of 6 calls" in note for note in w.notes)
+    # A recorded carry is the baseline a reshape starts from: only the difference moves prompts.
+    again = w.reshape(carry_answer=0.5).programs[0].steps
+    assert again[1].prompt_tokens == first[1].prompt_tokens + round(0.5 * first[0].output_tokens)
+    rows[4]["shared_prefix_tokens"] = 351
+    with pytest.raises(ValueError, match="one value on every call"):
+        workload.thunderagent(rows)
+    rows[4]["shared_prefix_tokens"] = 350
+    rows[2]["carry_answer"] = 2
+    with pytest.raises(ValueError, match="carry_answer"):
+        workload.thunderagent(rows)

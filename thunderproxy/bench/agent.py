@@ -150,6 +150,9 @@ class Schedule:
     #: Multiplies tool and think time (and Mooncake's turn offsets).
     gap_scale: float = 1.0
     seed: int = 0
+    #: Whether an agent releases its program when it ends (``POST /programs/release``). Most
+    #: agent frameworks never do: the proxy then learns a program ended from its silence alone.
+    release: bool = True
 
     def __post_init__(self) -> None:
         if self.arrivals not in ARRIVALS:
@@ -288,17 +291,18 @@ class Agents:
                 )
                 if result is None:
                     return  # abandoned after MAX_ATTEMPTS failures
-                conversation.answer(result.text, result.ids)
+                conversation.answer(result.text, result.ids, carried=step.carried_tokens)
                 # Append-only history is reusable by the next call; block prompts say
                 # themselves what they share, so nothing is counted for them.
-                reusable = len(conversation.ids) if step.blocks is None else 0
+                reusable = conversation.reusable_tokens if step.blocks is None else 0
                 log.steps = index
                 self._changed()
             log.completed = True
         finally:
             log.finished_at = self._now()
-            with trio.CancelScope(shield=True):
-                await self.transport.release(spec.program_id)
+            if self.schedule.release:
+                with trio.CancelScope(shield=True):
+                    await self.transport.release(spec.program_id)
             self._changed()
 
     async def _call(

@@ -117,6 +117,18 @@ def _progress_factory(enabled: bool | None) -> Any:
     type=float,
     help="Multiply tool and think time (e.g. 10 for long tool calls).",
 )
+@click.option("--shared-prefix-tokens", type=int, default=None,
+              help="Tokens of the prefix every program's prompt shares (system prompt and "
+              "tool schemas; e.g. 13000 for a coding agent's), replacing the trace's own; "
+              "each prompt grows by the difference.")  # fmt: skip
+@click.option("--carry-answer", type=float, default=None,
+              help="Fraction of each answer's tokens the next prompt carries, the last ones "
+              "(0.3: a reasoning model whose thinking is not sent back; default: the "
+              "trace's own, all for ThunderAgent).")  # fmt: skip
+@click.option("--release/--no-release", default=True, show_default=True,
+              help="Whether agents release their programs when they end (POST "
+              "/programs/release). --no-release: the proxy learns a program ended only from "
+              "its idle lease, as with most agent frameworks.")  # fmt: skip
 @click.option("--set", "proxy_settings", multiple=True, metavar="NAME=VALUE",
               help="A `thunderproxy serve` setting for the bench's own proxy, e.g. "
               "--set pause_cooldown=2 (repeatable).")  # fmt: skip
@@ -181,6 +193,9 @@ def bench_command(
     arrivals: str | None,
     rate: float,
     gap_scale: float,
+    shared_prefix_tokens: int | None,
+    carry_answer: float | None,
+    release: bool,
     proxy_settings: tuple[str, ...],
     sim_settings: tuple[str, ...],
     json_path: str | None,
@@ -233,6 +248,9 @@ def bench_command(
             arrivals=arrivals,
             rate=rate,
             gap_scale=gap_scale,
+            release=release,
+            shared_prefix_tokens=shared_prefix_tokens,
+            carry_answer=carry_answer,
             proxy_settings=parse_settings(proxy_settings),
             sim_settings=parse_sim_settings(sim_settings),
             audit_run=audit_run,

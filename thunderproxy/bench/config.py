@@ -201,12 +201,25 @@ class BenchConfig:
     model: str = DEFAULT_MODEL
     #: Audit-db traces: which run to replay (None: the latest).
     audit_run: int | None = None
+    #: False: agents never release their programs (``--no-release``), as most frameworks.
+    release: bool = True
+    #: The prefix every program's prompt shares, in tokens (None: the trace's own).
+    shared_prefix_tokens: int | None = None
+    #: Fraction of each answer's tokens the next prompt carries (None: the trace's own).
+    carry_answer: float | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and self.concurrency < 0:
             raise ConfigError("--concurrency must be >= 0.")
         if not 0 < self.sample <= 1:
             raise ConfigError("--sample must be in (0, 1].")
+        if self.shared_prefix_tokens is not None and self.shared_prefix_tokens < 0:
+            raise ConfigError("--shared-prefix-tokens must be >= 0.")
+        if self.carry_answer is not None and not 0 <= self.carry_answer <= 1:
+            raise ConfigError(
+                "--carry-answer is the fraction of each answer's tokens the next prompt "
+                "carries: a number in [0, 1]."
+            )
         if self.time_scale <= 0:
             raise ConfigError("--time-scale must be > 0.")
         if self.backends < 1:
@@ -286,6 +299,7 @@ class BenchConfig:
             rate=self.rate,
             gap_scale=self.gap_scale,
             seed=self.seed,
+            release=self.release,
         )
 
     def settings(self, target: str, *, scale: float = 1.0, **overrides: Any) -> Settings:

@@ -117,7 +117,13 @@ def code_version() -> str:
 
 
 def workload_for(config: BenchConfig) -> Workload:
-    loaded = load_workload(config.trace, seed=config.seed, run_id=config.audit_run)
+    loaded = load_workload(
+        config.trace,
+        seed=config.seed,
+        run_id=config.audit_run,
+        shared_prefix_tokens=config.shared_prefix_tokens,
+        carry_answer=config.carry_answer,
+    )
     return loaded.sample(config.sample, config.seed).subset(config.programs, config.max_steps)
 
 

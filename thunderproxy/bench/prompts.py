@@ -142,6 +142,9 @@ class Conversation:
         self.ids: list[int] = []
         #: Characters of message content, which is what the proxy's context estimate counts.
         self.chars = 0
+        #: Tokens at the head of the history whose KV the engine computed there: what the next
+        #: call could find cached (set by ``answer``).
+        self.reusable_tokens = 0
         if system is not None:
             self._append("system", *system)
 
@@ -167,9 +170,32 @@ class Conversation:
         # conversation already holds gets the smallest observation instead.
         self._append("user", *v.draw(self._rng, max(MIN_MESSAGE_TOKENS, wanted)))
 
-    def answer(self, text: str, ids: Sequence[int]) -> None:
-        """The model's reply becomes part of the history (append-only)."""
+    def answer(self, text: str, ids: Sequence[int], *, carried: int | None = None) -> None:
+        """The model's reply becomes part of the history (append-only): all of it, or only its
+        last ``carried`` tokens (what a reasoning model's client sends back without the
+        thinking). The history then differs from what the model decoded from the answer's first
+        token on, so the KV of the answer is not reused: the carried tokens are prefilled again
+        at their new place, as a real engine would."""
+        before = len(self.ids)
+        if carried is not None and carried < len(ids):
+            text, ids = self._tail(text, carried)
+            self._append("assistant", text, ids)
+            # The engine computed the prompt up to the generation prompt, then other tokens.
+            self.reusable_tokens = before + len(self.vocabulary.open["assistant"])
+            return
         self._append("assistant", text, ids)
+        self.reusable_tokens = len(self.ids)
+
+    def _tail(self, text: str, tokens: int) -> tuple[str, list[int]]:
+        tokenizer = self.vocabulary.tokenizer
+        every = tokenizer.pieces(text)
+        pieces = every[len(every) - tokens :] if tokens > 0 else []
+        # A message may not start with whitespace: the template's newline before it would
+        # merge with it into one token, and the ids here would no longer be the engine's.
+        while pieces and pieces[0].isspace():
+            pieces.pop(0)
+        tail = "".join(pieces)
+        return tail, tokenizer.encode(tail)
 
     def prompt_ids(self) -> list[int]:
         """What the simulator's chat template tokenizes the messages to, generation prompt on."""

@@ -81,8 +81,24 @@ def read_audit_steps(path: Path, run_id: int | None = None) -> list[dict[str, An
     return [dict(r) for r in rows]
 
 
-def load_workload(trace: str, *, seed: int = 0, run_id: int | None = None) -> Workload:
-    """Read a trace (ThunderAgent calls, a Mooncake trace or an audit db) into a Workload."""
+def load_workload(
+    trace: str,
+    *,
+    seed: int = 0,
+    run_id: int | None = None,
+    shared_prefix_tokens: int | None = None,
+    carry_answer: float | None = None,
+) -> Workload:
+    """Read a trace (ThunderAgent calls, a Mooncake trace or an audit db) into a Workload,
+    reshaped to ``shared_prefix_tokens`` and ``carry_answer`` where given (``Workload.reshape``)."""
+    loaded = _load(trace, seed=seed, run_id=run_id)
+    try:
+        return loaded.reshape(shared_prefix_tokens=shared_prefix_tokens, carry_answer=carry_answer)
+    except ValueError as exc:
+        raise ConfigError(f"--shared-prefix-tokens/--carry-answer: {exc}") from None
+
+
+def _load(trace: str, *, seed: int, run_id: int | None) -> Workload:
     path = resolve(trace)
     if path.suffix in (".db", ".sqlite", ".sqlite3"):
         return workload.from_audit_steps(read_audit_steps(path, run_id), name=path.stem)
@@ -94,7 +110,10 @@ def load_workload(trace: str, *, seed: int = 0, run_id: int | None = None) -> Wo
         return workload.mooncake(read_jsonl(path), read_csv(sessions), name=f"mooncake-{kind}")
     rows = read_jsonl(path)
     if rows and "program_id" in rows[0] and "input_tokens" in rows[0]:
-        return workload.thunderagent(rows, seed=seed)
+        try:
+            return workload.thunderagent(rows, seed=seed)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
     raise ConfigError(
         f"{path} is neither a ThunderAgent calls file, a Mooncake trace nor an audit db."
     )

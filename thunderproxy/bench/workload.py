@@ -11,7 +11,10 @@ bench prints and stores with every result:
 - ThunderAgent SWE-agent calls: a program per ``program_id``, its steps in ``step`` order; the
   prompt of step *k* is the recorded ``input_tokens`` plus a shared tool-schema block (the trace
   leaves it out); the decode length is ``output_tokens`` plus the tool-call arguments, sampled
-  from the recorded estimates where the trace has none; the tool gap is ``gap_after_s``.
+  from the recorded estimates where the trace has none; the tool gap is ``gap_after_s``. Two
+  optional fields describe the prompts' shape where a trace knows it: ``shared_prefix_tokens``
+  (the head of every prompt all programs share, counted in ``input_tokens``) and
+  ``carry_answer`` (whether, or which fraction of, the call's answer the next prompt carries).
 - Mooncake traces with reconstructed sessions: a program per session; each request's prompt is
   the trace's 512-token ``hash_ids`` blocks (equal ids, equal tokens), so prefix sharing is the
   trace's own; turns are sent at their recorded time or when the previous turn ended, whichever
@@ -57,6 +60,13 @@ class StepSpec:
     at_s: float | None = None
     #: Block prompts (Mooncake): the ids of the prompt's blocks, ``block_tokens`` each.
     blocks: tuple[int, ...] | None = None
+    #: Tokens of this call's answer that the next prompt carries, the last ones (a reasoning
+    #: model's thinking comes first and is not sent back). None: the whole answer.
+    carried_tokens: int | None = None
+
+    @property
+    def carried(self) -> int:
+        return self.output_tokens if self.carried_tokens is None else self.carried_tokens
 
 
 @dataclass(frozen=True)
@@ -93,8 +103,9 @@ class Workload:
 
     def no_eviction_tokens(self) -> int:
         """KV that holds every token the workload ever computes, so nothing is ever evicted:
-        each append-only program's whole context, and each distinct block of block prompts
-        (plus the answers, which are computed but never reused)."""
+        the shared prefix once, each append-only program's whole context beyond it (plus every
+        answer the next prompt does not carry whole: its KV is computed but never reused), and
+        each distinct block of block prompts (plus the answers, likewise never reused)."""
         total = self.system_tokens
         blocks: set[int] = set()
         for program in self.programs:
@@ -103,7 +114,8 @@ class Workload:
                     blocks.update(step.blocks or ())
                     total += step.output_tokens
             else:
-                total += program.context_tokens
+                total += max(0, program.context_tokens - self.system_tokens)
+                total += sum(s.output_tokens for s in program.steps if s.carried < s.output_tokens)
         return total + len(blocks) * self.block_tokens
 
     def mean_context_tokens(self) -> float:
@@ -123,6 +135,56 @@ class Workload:
         note = f"sample: {len(kept)} of {len(self.programs)} programs (fraction {fraction})"
         return replace(self, programs=kept, notes=(*self.notes, note))
 
+    def reshape(
+        self, *, shared_prefix_tokens: int | None = None, carry_answer: float | None = None
+    ) -> Workload:
+        """The same programs with another prompt shape, for every program of the workload:
+
+        - ``shared_prefix_tokens``: the head every program's prompt shares (system prompt and
+          tool schemas) has this many tokens; each prompt grows (or shrinks) by the difference
+          with the recorded one, so what each program adds of its own is unchanged;
+        - ``carry_answer``: the fraction of each answer's tokens the next prompt carries (0: none,
+          as a reasoning model's thinking; 1: all). Each later prompt grows or shrinks by what
+          the answers before it carry more or less than recorded; the decode lengths and the
+          observations stay as recorded.
+
+        Append-only programs only: block prompts (Mooncake) say themselves what they share."""
+        if shared_prefix_tokens is None and carry_answer is None:
+            return self
+        if any(p.steps and p.steps[0].blocks is not None for p in self.programs):
+            raise ValueError(
+                f"{self.name} has block prompts, whose sharing is the trace's own; a shared "
+                "prefix length or answer carry applies to append-only traces (ThunderAgent "
+                "calls, audit dbs)."
+            )
+        if shared_prefix_tokens is not None and shared_prefix_tokens < 0:
+            raise ValueError("the shared prefix must be >= 0 tokens")
+        if carry_answer is not None and not 0 <= carry_answer <= 1:
+            raise ValueError("the carried fraction of an answer must be in [0, 1]")
+        grow = 0 if shared_prefix_tokens is None else shared_prefix_tokens - self.system_tokens
+        programs = tuple(
+            replace(p, steps=_reshape_steps(p.steps, grow, carry_answer)) for p in self.programs
+        )
+        notes = list(self.notes)
+        if shared_prefix_tokens is not None:
+            notes.append(
+                f"shared prefix: {shared_prefix_tokens} tokens instead of {self.system_tokens}; "
+                f"every prompt {'+' if grow >= 0 else '-'}{abs(grow)} tokens"
+            )
+        if carry_answer is not None:
+            notes.append(
+                f"answers carried into the next prompt: the last {carry_answer:g} of each "
+                "answer's tokens; later prompts shrink by what is not carried"
+            )
+        return replace(
+            self,
+            programs=programs,
+            system_tokens=self.system_tokens
+            if shared_prefix_tokens is None
+            else shared_prefix_tokens,
+            notes=tuple(notes),
+        )
+
     def subset(self, programs: int | None = None, max_steps: int | None = None) -> Workload:
         """The first ``programs`` programs, each cut to its first ``max_steps`` calls."""
         chosen = self.programs if programs is None else self.programs[:programs]
@@ -133,6 +195,35 @@ class Workload:
             cut = "" if max_steps is None else f", at most {max_steps} steps each"
             notes = (*notes, f"subset: {len(chosen)} programs{cut}")
         return replace(self, programs=tuple(chosen), notes=notes)
+
+
+def _reshape_steps(
+    steps: Sequence[StepSpec], grow: int, carry: float | None
+) -> tuple[StepSpec, ...]:
+    out = []
+    dropped = 0  # answer tokens the reshaped history holds fewer than the recorded one
+    for step in steps:
+        carried = step.carried_tokens if carry is None else round(carry * step.output_tokens)
+        out.append(
+            replace(
+                step,
+                prompt_tokens=max(1, step.prompt_tokens + grow - dropped),
+                carried_tokens=carried,
+            )
+        )
+        if carried is not None:
+            dropped += step.carried - carried
+    return tuple(out)
+
+
+def carried_fraction(value: Any) -> float:
+    """A call's ``carry_answer`` field: true, false or a fraction of the answer's tokens."""
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    fraction = float(value)
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"carry_answer must be true, false or a fraction in [0, 1], got {value!r}")
+    return fraction
 
 
 def _program_rng(seed: int, *key: object) -> random.Random:
@@ -151,6 +242,11 @@ def thunderagent(
     by_program: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for row in rows:
         by_program[str(row["program_id"])].append(row)
+    shared = _recorded_shared_prefix(by_program.values())
+    if shared is not None:
+        # The trace says what its prompts share: input_tokens is the whole prompt, nothing
+        # is imputed around it.
+        schema_tokens, template_tokens = 0, shared
     known_args = sorted(
         int(r["tool_call_arg_tokens_est"])
         for calls in by_program.values()
@@ -159,6 +255,7 @@ def thunderagent(
     )
     imputed = 0
     total = 0
+    carried = 0
     programs = []
     for program_id, calls in by_program.items():
         calls = sorted(calls, key=lambda r: int(r["step"]))
@@ -173,11 +270,18 @@ def thunderagent(
                 # their skew (p50 26, p99 1.8k) rather than adding a flat 2.1x to every call.
                 args = rng.choice(known_args) if known_args else 0
                 imputed += 1
+            decode = max(1, int(call["output_tokens"]) + int(args))
+            carry = call.get("carry_answer")
+            if carry is not None:
+                carried += 1
             steps.append(
                 StepSpec(
                     prompt_tokens=int(call["input_tokens"]) + schema_tokens,
-                    output_tokens=max(1, int(call["output_tokens"]) + int(args)),
+                    output_tokens=decode,
                     gap_before_s=gap,
+                    carried_tokens=None
+                    if carry is None
+                    else round(carried_fraction(carry) * decode),
                 )
             )
             gap = float(call.get("gap_after_s") or 0.0)
@@ -186,13 +290,29 @@ def thunderagent(
         # A seeded shuffle, so that "the first N programs" is a fair sample of the three runs
         # rather than the five bs1 programs followed by bs4's.
         _program_rng(seed, "order").shuffle(programs)
+    shape: tuple[str, ...]
+    if shared is None:
+        shape = (
+            f"prompt = input_tokens + {schema_tokens} tool-schema tokens (left out of the "
+            "trace; imputed constant)",
+            f"shared prefix = the {schema_tokens} schema tokens + the first {template_tokens} "
+            "tokens of step 1 (every program's step 1 is >= 338 tokens)",
+        )
+    else:
+        shape = (
+            "prompt = input_tokens",
+            f"shared prefix = {shared} tokens (the trace's shared_prefix_tokens)",
+        )
+    if carried:
+        shape = (
+            *shape,
+            f"answers carried into the next prompt: as the trace's carry_answer says on "
+            f"{carried} of {total} calls (the whole answer on the others)",
+        )
     notes = (
         "ThunderAgent SWE-agent (GLM-4.5): program = program_id, steps in step order, "
         "append-only prompts",
-        f"prompt = input_tokens + {schema_tokens} tool-schema tokens (left out of the trace; "
-        "imputed constant)",
-        f"shared prefix = the {schema_tokens} schema tokens + the first {template_tokens} "
-        "tokens of step 1 (every program's step 1 is >= 338 tokens)",
+        *shape,
         f"decode = output_tokens + tool-call argument tokens; {imputed} of {total} calls had "
         f"no estimate and drew one from the {len(known_args)} measured ones (seed {seed})",
         "tool gap before step k+1 = gap_after_s of step k; env_prepare_s is not replayed",
@@ -205,6 +325,23 @@ def thunderagent(
         natural_arrivals="closed",
         notes=notes,
     )
+
+
+def _recorded_shared_prefix(programs: Iterable[Sequence[Mapping[str, Any]]]) -> int | None:
+    """The ``shared_prefix_tokens`` a calls file gives: one value for the whole trace (a prefix
+    shared across programs has one length), on every call or on none."""
+    values = {r.get("shared_prefix_tokens") for calls in programs for r in calls}
+    if values == {None}:
+        return None
+    if None in values or len(values) != 1:
+        raise ValueError(
+            "shared_prefix_tokens is the length of the prefix every program shares: give one "
+            f"value on every call or leave it out (found {sorted(map(str, values))})."
+        )
+    shared = int(next(v for v in values if v is not None))
+    if shared < 0:
+        raise ValueError(f"shared_prefix_tokens must be >= 0, got {shared}")
+    return shared
 
 
 def mooncake(

@@ -18,6 +18,7 @@ from types import TracebackType
 
 from ..errors import ProgramUnknown
 from . import state
+from .ending import ENDED_FLOOR_S, presumed_ended
 from .state import Program, ProgramStatus, StepUsage, Transition
 
 TransitionSink = Callable[[Transition], None]
@@ -35,6 +36,8 @@ class BackendLoad:
     reasoning_tokens: int = 0
     acting_tokens: int = 0
     future_paused_tokens: int = 0
+    #: Acting programs presumed ended (``ending.py``): in none of the counts above.
+    presumed_ended: int = 0
 
     @property
     def active_tokens(self) -> int:
@@ -55,6 +58,8 @@ class BackendIndex:
     #: Acting programs that became acting lately (pruned by the reader, see ``recent``).
     recent: dict[str, Program] = field(default_factory=dict)
     acting_tokens: int = 0
+    #: Acting programs presumed ended: tracked, but counted as released for capacity.
+    ended: dict[str, Program] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -71,6 +76,8 @@ class ProgramRegistry:
         self._waiting: dict[str, Program] = {}
         #: Every program, in the order of its last activity (oldest first).
         self._by_activity: dict[str, Program] = {}
+        #: The same, less the programs presumed ended: what ``presume_ended`` walks.
+        self._not_ended: dict[str, Program] = {}
         # Creation order for paging (/programs?after=): (sequence, id) ascending, so a cursor is
         # found by bisection. Released programs leave holes, compacted once they are half.
         self._next_seq = 0
@@ -88,6 +95,7 @@ class ProgramRegistry:
         index.reasoning.pop(pid, None)
         index.paused.pop(pid, None)
         index.recent.pop(pid, None)
+        index.ended.pop(pid, None)
         tokens = index.acting.pop(pid, None)
         if tokens is not None:
             index.acting_tokens -= tokens
@@ -99,7 +107,11 @@ class ProgramRegistry:
             index = self._index[program.backend] = BackendIndex()
         pid = program.program_id
         if program.status is ProgramStatus.REASONING:
+            program.presumed_ended = False  # a call of it went out: it had not ended
             index.reasoning[pid] = program
+        elif program.status is ProgramStatus.ACTING and program.presumed_ended:
+            # Paused and resumed in between or not, it is still silent.
+            index.ended[pid] = program
         elif program.status is ProgramStatus.ACTING:
             index.acting[pid] = program.total_tokens
             index.acting_tokens += program.total_tokens
@@ -112,6 +124,11 @@ class ProgramRegistry:
 
     def set_waiting(self, program: Program, since: float | None) -> None:
         """A request of ``program`` waits for its resume since ``since`` (None: no longer)."""
+        if since is not None and program.presumed_ended:
+            # A request of it arrived: it had not ended after all.
+            with self._changing(program):
+                program.presumed_ended = False
+            self._not_ended[program.program_id] = program
         program.waiting_since = since
         if since is None:
             self._waiting.pop(program.program_id, None)
@@ -145,6 +162,29 @@ class ProgramRegistry:
             out.append(program)
         return out
 
+    def presume_ended(self, now: float) -> list[Program]:
+        """Mark the acting programs silent for longer than their tool gaps explain as ended for
+        capacity (``ending.py``); a call of one takes it back. Walks only the programs idle
+        past ``ENDED_FLOOR_S`` that are not presumed ended already. Returns those it marked."""
+        cutoff = now - ENDED_FLOOR_S
+        marked = []
+        for program in list(self._not_ended.values()):
+            if program.last_activity > cutoff:
+                break
+            if program.status is not ProgramStatus.ACTING or not presumed_ended(
+                acting_since=program.acting_since,
+                longest_tool_s=program.longest_tool_s,
+                in_flight=program.in_flight,
+                waiting=program.waiting_since is not None,
+                now=now,
+            ):
+                continue
+            with self._changing(program):
+                program.presumed_ended = True
+            del self._not_ended[program.program_id]
+            marked.append(program)
+        return marked
+
     def _order_add(self, program_id: str) -> None:
         if program_id not in self._seq:
             self._seq[program_id] = self._next_seq
@@ -170,6 +210,8 @@ class ProgramRegistry:
     def _touch(self, program: Program) -> None:
         self._by_activity.pop(program.program_id, None)
         self._by_activity[program.program_id] = program
+        self._not_ended.pop(program.program_id, None)
+        self._not_ended[program.program_id] = program
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -273,6 +315,7 @@ class ProgramRegistry:
         self._unindex(program)
         self._waiting.pop(program_id, None)
         self._by_activity.pop(program_id, None)
+        self._not_ended.pop(program_id, None)
         stopped = state.stop(program, now, reason=reason)
         del self._programs[program_id]
         self._order_remove(program_id)
@@ -292,7 +335,7 @@ class ProgramRegistry:
         reasoning programs (the calls in flight); the rest is kept up to date as it changes."""
         out = {}
         for url, index in self._index.items():
-            if url is None or not index.total:
+            if url is None or not (index.total or index.ended):
                 continue
             marked = [p for p in index.reasoning.values() if p.marked_for_pause]
             out[url] = BackendLoad(
@@ -304,6 +347,7 @@ class ProgramRegistry:
                 reasoning_tokens=sum(p.total_tokens for p in index.reasoning.values()),
                 acting_tokens=index.acting_tokens,
                 future_paused_tokens=sum(p.total_tokens for p in marked),
+                presumed_ended=len(index.ended),
             )
         return out
 

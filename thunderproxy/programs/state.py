@@ -95,6 +95,11 @@ class Program:
     protected_until: float = 0.0
     #: How its first call was recognised (recognition's Source value); None if not told.
     source: str | None = None
+    #: The longest tool (acting) time it has shown between two calls.
+    longest_tool_s: float = 0.0
+    #: Acting, and silent for longer than its tool gaps explain (``ending.py``): counted as
+    #: released for capacity until a call of it comes back. Set and cleared by the registry.
+    presumed_ended: bool = False
 
     def _move(self, to: ProgramStatus, reason: str, now: float) -> Transition:
         transition = Transition(
@@ -141,6 +146,8 @@ def begin_step(
         tool_end = now if arrived_at is None else arrived_at
         since = program.acting_since
         program.last_tool_s = None if since is None else max(0.0, tool_end - since)
+        if program.last_tool_s is not None:
+            program.longest_tool_s = max(program.longest_tool_s, program.last_tool_s)
         transitions.append(program._move(ProgramStatus.REASONING, "tool finished", now))
     elif program.status is ProgramStatus.PAUSED:
         raise ValueError(f"program {program.program_id!r} is paused; resume it before a step")
