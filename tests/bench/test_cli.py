@@ -150,3 +150,13 @@ def test_the_explorer_puts_a_bench_runs_targets_side_by_side(tmp_path: Path) -> 
     earlier = run_canned(tmp_path / "b.db", "bench_compare", bench_run="1")
     assert [r["target"] for r in earlier] == ["default", "tr", "oracle"]
     assert earlier[0]["vs_default"] == 1.0
+
+
+def test_overhead_targets_are_the_routers_and_the_relays() -> None:
+    from thunderproxy.bench import overhead
+    from thunderproxy.errors import ConfigError
+
+    assert overhead.parse_targets("direct,tr,fastapi,litellm") == ("tr", "fastapi", "litellm")
+    assert overhead.parse_targets("") == ("default",)
+    with pytest.raises(ConfigError, match="fastapi, litellm"):
+        overhead.parse_targets("default,oracle")
