@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", args.port))
+    sock.listen(2048)  # connections made once the line below is out wait in the backlog
     host, port = sock.getsockname()
     config = uvicorn.Config(
         create_relay(args.backend), log_level="warning", access_log=False, backlog=2048
