@@ -12,7 +12,8 @@ import trio
 
 from ..errors import BackendProtocolError, BackendTimeout, BackendUnavailable
 from ..urls import redact_url
-from .base import UpstreamRequest
+from .base import UpstreamRequest, UpstreamResponse
+from .h1 import H1Pool
 
 
 def mapped_error(backend: str, exc: BaseException) -> BaseException:
@@ -133,6 +134,10 @@ class HttpBackend:
             for _ in range(shards)
         ]
         self._next = 0
+        #: The relay's own client for plain-HTTP POSTs (h1.py says why); None for HTTPS.
+        self.h1: H1Pool | None = None
+        if urlsplit(url).scheme == "http":
+            self.h1 = H1Pool(url, connect_timeout=connect_timeout, max_connections=max_connections)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -144,7 +149,9 @@ class HttpBackend:
         self._next = (self._next + 1) % len(self.clients)
         return self.clients[self._next]
 
-    async def send(self, request: UpstreamRequest) -> HttpResponse:
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        if self.h1 is not None and request.method == "POST":
+            return await self.h1.send(request)
         # Header values go out as the bytes the client sent: the server decoded them as latin-1,
         # so encoding them back the same way is exact (httpx would encode text as ASCII and fail
         # on any other byte).
@@ -161,6 +168,8 @@ class HttpBackend:
         return HttpResponse(response, self.name)
 
     async def aclose(self) -> None:
+        if self.h1 is not None:
+            self.h1.close()
         with trio.CancelScope(shield=True):
             for client in self.clients:
                 await client.aclose()
