@@ -18,7 +18,10 @@ that does not complete in time ``BackendTimeout``. Read deadlines are the gatewa
 from __future__ import annotations
 
 import base64
+import errno
+import os
 import re
+import socket
 from collections.abc import AsyncIterator, Sequence
 from urllib.parse import unquote, urlsplit
 
@@ -49,6 +52,72 @@ class _Dropped(Exception):
 
     def __init__(self, received: bool) -> None:
         self.received = received
+
+
+class Connection:
+    """One non-blocking socket, read and written without trio's stream layers. A read that
+    finds bytes waiting returns them at once; trio's ``receive_some`` would also yield to the
+    scheduler after every successful read (a round trip per chunk). Waits are trio's own
+    ``wait_readable`` / ``wait_writable``, so cancellation works as everywhere else."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> Connection:
+        infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        error: OSError = OSError(f"no address found for {host}")
+        for family, kind, proto, _, address in infos:
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                code = sock.connect_ex(address)
+                if code == errno.EINPROGRESS:
+                    await trio.lowlevel.wait_writable(sock)
+                    code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code:
+                    raise OSError(code, os.strerror(code))
+                return cls(sock)
+            except OSError as exc:
+                sock.close()
+                error = exc
+            except BaseException:
+                sock.close()
+                raise
+        raise error
+
+    async def receive(self, size: int) -> bytes:
+        while True:
+            try:
+                return self.sock.recv(size)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+
+    async def send_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[self.sock.send(view) :]
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+
+    def closed_by_peer(self) -> bool:
+        """Whether an idle connection was closed (or written to) by the server meanwhile."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False  # nothing to read: still open
+        except OSError:
+            return True
+        return True  # the end of the stream, or bytes nobody asked for
+
+    def close(self) -> None:
+        # Synchronous on purpose: the paths that close a connection are often being cancelled
+        # (the client left).
+        if self.sock.fileno() >= 0:
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
 
 
 class ChunkedDecoder:
@@ -131,7 +200,7 @@ class H1Response:
     def __init__(
         self,
         pool: H1Pool,
-        stream: trio.SocketStream,
+        stream: Connection,
         status_code: int,
         headers: list[tuple[str, str]],
         rest: bytes,
@@ -141,7 +210,7 @@ class H1Response:
         chunked: bool,
     ) -> None:
         self._pool = pool
-        self._stream: trio.SocketStream | None = stream
+        self._stream: Connection | None = stream
         self.status_code = status_code
         self._headers = headers
         self._rest = rest  # body bytes that came with the head
@@ -190,8 +259,8 @@ class H1Response:
             if stream is None:
                 raise self._pool.unavailable("the response was closed before its end")
             try:
-                data = await stream.receive_some(READ_SIZE)
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                data = await stream.receive(READ_SIZE)
+            except OSError:
                 self._abort()
                 raise self._pool.unavailable("dropped the connection") from None
             if not data:
@@ -244,7 +313,7 @@ class H1Pool:
         self.connect_timeout = connect_timeout
         self._slots = trio.Semaphore(max_connections)
         #: Idle connections, the most recently used last, with when each became idle.
-        self._idle: list[tuple[trio.SocketStream, float]] = []
+        self._idle: list[tuple[Connection, float]] = []
         self.closed = False
 
     def unavailable(self, what: str) -> BackendUnavailable:
@@ -286,32 +355,32 @@ class H1Pool:
                 try:
                     try:
                         await stream.send_all(message)
-                    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    except OSError:
                         raise _Dropped(False) from None
                     return await self._read_head(stream, request.method)
                 except _Dropped as dropped:
-                    _close(stream)
+                    stream.close()
                     if reused and not dropped.received:
                         continue  # closed while idle, before it read this request: retry once
                     raise self.unavailable("dropped the connection") from None
                 except BaseException:
-                    _close(stream)
+                    stream.close()
                     raise
         except BaseException:
             self._slots.release()
             raise
 
-    async def _connection(self) -> tuple[trio.SocketStream, bool]:
+    async def _connection(self) -> tuple[Connection, bool]:
         now = trio.current_time()
         while self._idle:
             stream, since = self._idle.pop()
             # Readable while idle: the server closed it (or broke the protocol).
-            if now - since < KEEPALIVE_S and not stream.socket.is_readable():
+            if now - since < KEEPALIVE_S and not stream.closed_by_peer():
                 return stream, True
-            _close(stream)
+            stream.close()
         try:
             with trio.fail_after(self.connect_timeout):
-                return await trio.open_tcp_stream(self.host, self.port), False
+                return await Connection.open(self.host, self.port), False
         except trio.TooSlowError:
             raise BackendTimeout(
                 f"Backend {self.name} did not accept a connection within "
@@ -321,7 +390,7 @@ class H1Pool:
         except OSError as exc:
             raise self.unavailable(f"refused the connection ({exc.strerror or exc})") from None
 
-    async def _read_head(self, stream: trio.SocketStream, method: str) -> H1Response:
+    async def _read_head(self, stream: Connection, method: str) -> H1Response:
         buffer = b""
         while True:
             end = buffer.find(b"\r\n\r\n")
@@ -329,8 +398,8 @@ class H1Pool:
                 if len(buffer) > MAX_HEAD:
                     raise self.malformed(f"a response head over {MAX_HEAD} bytes")
                 try:
-                    data = await stream.receive_some(READ_SIZE)
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = await stream.receive(READ_SIZE)
+                except OSError:
                     raise _Dropped(bool(buffer)) from None
                 if not data:
                     raise _Dropped(bool(buffer))
@@ -343,7 +412,7 @@ class H1Pool:
             # An interim 1xx answer: the real one follows.
 
     def _response(
-        self, stream: trio.SocketStream, head: bytes, rest: bytes, method: str
+        self, stream: Connection, head: bytes, rest: bytes, method: str
     ) -> H1Response | None:
         lines = head.split(b"\r\n")
         status_line = lines[0].split(b" ", 2)
@@ -393,21 +462,15 @@ class H1Pool:
             chunked=chunked,
         )
 
-    def release(self, stream: trio.SocketStream, *, reusable: bool) -> None:
+    def release(self, stream: Connection, *, reusable: bool) -> None:
         """A response is done with ``stream``: keep it for the next request, or close it."""
         self._slots.release()
         if reusable and not self.closed:
             self._idle.append((stream, trio.current_time()))
         else:
-            _close(stream)
+            stream.close()
 
     def close(self) -> None:
         self.closed = True
         while self._idle:
-            _close(self._idle.pop()[0])
-
-
-def _close(stream: trio.SocketStream) -> None:
-    # Synchronous on purpose: closing a socket needs no await, and the paths that close one
-    # are often being cancelled (the client left).
-    stream.socket.close()
+            self._idle.pop()[0].close()
