@@ -293,6 +293,19 @@ class H1Response:
         self._release()
 
 
+def _header_encoding(headers: list[tuple[bytes, bytes]]) -> str:
+    """How the answer's header values are read as text: as httpx reads them (ASCII, else UTF-8
+    if every value is, else latin-1), so a header relayed to the client keeps its bytes."""
+    for encoding in ("ascii", "utf-8"):
+        try:
+            for _, value in headers:
+                value.decode(encoding)
+        except UnicodeDecodeError:
+            continue
+        return encoding
+    return "latin-1"
+
+
 class H1Pool:
     """Keep-alive connections to one backend, ``max_connections`` requests at a time."""
 
@@ -424,17 +437,18 @@ class H1Pool:
             raise self.malformed(f"status line {lines[0][:40]!r}") from None
         if 100 <= status < 200:
             return None
-        headers: list[tuple[str, str]] = []
-        length: int | None = None
-        chunked = False
-        reusable = status_line[0] == b"HTTP/1.1"
+        raw: list[tuple[bytes, bytes]] = []
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
             if not sep or not name or name != name.strip():
                 raise self.malformed(f"header line {line[:40]!r}")
-            key = name.decode("latin-1").lower()
-            text = value.strip().decode("latin-1")
-            headers.append((key, text))
+            raw.append((name.lower(), value.strip()))
+        encoding = _header_encoding(raw)
+        headers = [(k.decode("latin-1"), v.decode(encoding)) for k, v in raw]
+        length: int | None = None
+        chunked = False
+        reusable = status_line[0] == b"HTTP/1.1"
+        for key, text in headers:
             if key == "content-length":
                 if not text.isdigit() or (length is not None and int(text) != length):
                     raise self.malformed(f"content-length {text[:20]!r}")
