@@ -219,6 +219,7 @@ class H1Response:
         self._chunked = ChunkedDecoder() if chunked else None
         self._complete = length == 0 and not chunked
         if self._complete:
+            self._reusable = reusable and not rest  # bytes after an empty body: not HTTP
             self._release()
 
     @property
@@ -260,7 +261,7 @@ class H1Response:
                 raise self._pool.unavailable("the response was closed before its end")
             try:
                 data = await stream.receive(READ_SIZE)
-            except OSError:
+            except (OSError, trio.ClosedResourceError):
                 self._abort()
                 raise self._pool.unavailable("dropped the connection") from None
             if not data:
@@ -412,7 +413,7 @@ class H1Pool:
                     raise self.malformed(f"a response head over {MAX_HEAD} bytes")
                 try:
                     data = await stream.receive(READ_SIZE)
-                except OSError:
+                except (OSError, trio.ClosedResourceError):
                     raise _Dropped(bool(buffer)) from None
                 if not data:
                     raise _Dropped(bool(buffer))
