@@ -192,19 +192,24 @@ class Exchange:
         first_byte_at: float | None = None
         #: The last bytes relayed: an error event must not be glued to a half-sent event.
         relayed_tail = b""
+        read_timeout = self.gateway.read_timeout
         try:
             while True:
+                error: BackendError | None = None
                 try:
-                    with trio.fail_after(self.gateway.read_timeout):
+                    # A bare scope, not fail_after: this runs once per chunk, and fail_after's
+                    # context-manager layers cost as much as the scope itself.
+                    with trio.CancelScope(deadline=trio.current_time() + read_timeout) as scope:
                         chunk = await chunks.__anext__()
+                    if scope.cancelled_caught:
+                        error = self.gateway.timeout(self.node)
                 except StopAsyncIteration:
                     break
-                except (BackendError, trio.TooSlowError) as exc:
+                except BackendError as exc:
+                    error = exc
+                if error is not None:
                     if tap.complete:
                         return  # the answer was whole: a connection lost after it is no fault
-                    error = (
-                        exc if isinstance(exc, BackendError) else self.gateway.timeout(self.node)
-                    )
                     self._take_usage(tap)
                     self.finish(describe(error)[0], error=error.message)
                     yield _at_boundary(relayed_tail) + self.call.wire.error_event(error)
@@ -235,7 +240,7 @@ class Exchange:
                     self._take_usage(tap)
                     self.finish(self.status_code, error=tap.error)
                 if out:
-                    relayed_tail = (relayed_tail + out)[-4:]
+                    relayed_tail = out[-4:] if len(out) >= 4 else (relayed_tail + out)[-4:]
                     yield out
         finally:
             # The backend's own iterator is closed here, not left to the garbage collector.

@@ -173,3 +173,13 @@ def test_workload_shape_flags_reach_the_prompts_and_no_release_leaves_programs_o
     code, output = bench(tmp_path, "--target", "tr", "--shared-prefix-tokens", "2500")
     assert code == 0, output
     assert rows(db, released + " and run_id = (select max(run_id) from transitions)") == [(3,)]
+
+
+def test_overhead_targets_are_the_routers_and_the_relays() -> None:
+    from thunderproxy.bench import overhead
+    from thunderproxy.errors import ConfigError
+
+    assert overhead.parse_targets("direct,tr,fastapi,litellm") == ("tr", "fastapi", "litellm")
+    assert overhead.parse_targets("") == ("default",)
+    with pytest.raises(ConfigError, match="fastapi, litellm"):
+        overhead.parse_targets("default,oracle")

@@ -109,14 +109,25 @@ async def test_the_demo_replays_through_tr_and_says_where_to_look(tmp_path: Path
 
 async def test_overhead_cells_measure_latency_and_proxy_cpu() -> None:
     config = overhead.OverheadConfig(
-        concurrencies=(2,), seconds=1.5, warmup_s=0.5, idle_s=0.5, chunks=8
+        concurrencies=(2,),
+        targets=("default", "fastapi"),
+        seconds=1.5,
+        warmup_s=0.5,
+        idle_s=0.5,
+        chunks=8,
     )
     with trio.fail_after(120):
         cells = await overhead.run_overhead(config)
     rows = overhead.report(cells)
-    direct, proxied = rows
+    direct, proxied, relay = rows
     assert direct["path"] == "direct"
     assert proxied["path"] == "default"
+    assert relay["path"] == "fastapi"
+    if relay["skipped"] is None:
+        assert relay["requests"] > 0
+        assert relay["rps_vs_thunderproxy"] > 0
+    else:  # the bench extra is not installed here: the table says how to install it
+        assert "pip install" in overhead.table(rows)
     assert direct["requests"] > 0
     assert proxied["requests"] > 0
     assert proxied["proxy_cpu_per_request_us"] > 0

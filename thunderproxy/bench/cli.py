@@ -166,8 +166,8 @@ def _progress_factory(enabled: bool | None) -> Any:
 )
 @click.option("--overhead", is_flag=True,
               help="Measure proxy overhead instead (a fast trivial backend; --sweep gives "
-              "the stream counts, default 1,32,128; --target picks the routers, default "
-              "default).")  # fmt: skip
+              "the stream counts, default 1,32,128; --target picks thunderproxy's routers "
+              "and the relays to compare: default, tr, fastapi, litellm).")  # fmt: skip
 @click.option(
     "--overhead-seconds",
     default=10.0,
@@ -225,6 +225,7 @@ def bench_command(
       thunderproxy bench --trace mooncake --virtual --programs 600 --target direct,tr
       thunderproxy bench --target http://127.0.0.1:9000 --backend-ports 8001
       thunderproxy bench --overhead --target default,tr
+      thunderproxy bench --overhead --target default,fastapi,litellm --sweep 1,32,64,128
     """
     try:
         if overhead:
@@ -316,13 +317,14 @@ def _print_report(report: BenchReport) -> None:
 def _overhead(targets: str, sweep: str, seconds: float, json_path: str | None) -> None:
     from . import overhead
 
-    routers = tuple(t for t in parse_targets(targets) if t in ("default", "tr")) or ("default",)
+    chosen = overhead.parse_targets(targets)
     concurrencies = parse_int_list(sweep, flag="--sweep") or (1, 32, 128)
-    config = overhead.OverheadConfig(concurrencies=concurrencies, routers=routers, seconds=seconds)
+    config = overhead.OverheadConfig(concurrencies=concurrencies, targets=chosen, seconds=seconds)
     with ungrouped_errors():
         cells = trio.run(overhead.run_overhead, config)
     rows = overhead.report(cells)
     click.echo(overhead.table(rows))
+    click.echo(overhead.describe_run(config))
     if json_path:
         with open(json_path, "w", encoding="utf-8") as fh:
             json.dump(overhead.as_json(config, rows), fh, indent=2)

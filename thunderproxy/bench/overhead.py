@@ -12,7 +12,11 @@ client inflates both sides alike.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
 import resource
+import socket
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -23,7 +27,9 @@ import httpx
 import trio
 
 from ..config import load_settings
+from ..errors import ConfigError
 from . import figures
+from .agent import BenchError
 from .realtime import (
     PROXY_LISTENING,
     SIM_LISTENING,
@@ -36,11 +42,74 @@ from .realtime import (
 
 CHAT = "/v1/chat/completions"
 
+#: The proxy's own routers, and the other relays measured beside them.
+ROUTERS = ("default", "tr")
+RELAYS = ("fastapi", "litellm")
+TARGETS = (*ROUTERS, *RELAYS)
+#: How to install what a relay needs, when it is missing.
+INSTALL = "pip install 'thunderproxy[bench]'"
+UVICORN_LISTENING = re.compile(rb"Uvicorn running on (http://\S+)")
+#: LiteLLM imports for long; on a loaded machine it may take a minute to listen.
+LITELLM_START_S = 180.0
+#: Bound on the one stream each target gets before it is measured.
+WARM_UP_S = 120.0
+
+
+def parse_targets(value: str) -> tuple[str, ...]:
+    """``--target`` for ``--overhead``: names from ``TARGETS`` (direct always runs)."""
+    chosen = tuple(t.strip() for t in value.split(",") if t.strip() and t.strip() != "direct")
+    unknown = [t for t in chosen if t not in TARGETS]
+    if unknown:
+        raise ConfigError(
+            f"--target {','.join(unknown)} cannot be measured with --overhead; choose from "
+            f"{', '.join(TARGETS)}."
+        )
+    return chosen or ("default",)
+
+
+def missing(target: str) -> str | None:
+    """Why ``target`` cannot run here (None: it can)."""
+    needs = {"fastapi": ("fastapi", "uvicorn", "httpx"), "litellm": ("litellm",)}.get(target, ())
+    for module in needs:
+        if importlib.util.find_spec(module) is None:
+            return f"not installed ({module}): {INSTALL}"
+    if target == "litellm" and not litellm_command().exists():
+        return f"not installed (no {litellm_command()}): {INSTALL}"
+    return None
+
+
+def litellm_command() -> Path:
+    return Path(sys.executable).parent / "litellm"
+
+
+def litellm_config(backend: str) -> str:
+    """LiteLLM's proxy config: one model, ``fast``, on the fast backend; no key (loopback)."""
+    return (
+        "model_list:\n"
+        "  - model_name: fast\n"
+        "    litellm_params:\n"
+        "      model: openai/fast\n"
+        f"      api_base: {backend}/v1\n"
+        "      api_key: none\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+        "general_settings:\n"
+        "  dangerously_permit_weak_or_unset_master_key: true\n"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
 
 @dataclass(frozen=True)
 class OverheadConfig:
     concurrencies: tuple[int, ...] = (1, 32, 128)
-    routers: tuple[str, ...] = ("default",)
+    #: thunderproxy's routers and the other relays (``TARGETS``), in the order they run.
+    targets: tuple[str, ...] = ("default",)
     #: Measured seconds per cell, after ``warmup_s`` seconds that are not counted.
     seconds: float = 10.0
     warmup_s: float = 2.0
@@ -55,8 +124,10 @@ class OverheadConfig:
 
 @dataclass
 class Cell:
-    path: str  # "direct" or the proxy's router
+    path: str  # "direct", the proxy's router or another relay
     concurrency: int
+    #: Why the target was not measured (not installed, failed to start).
+    skipped: str | None = None
     requests: int = 0
     chunks: int = 0
     errors: int = 0
@@ -69,8 +140,9 @@ class Cell:
     client_cpu_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "path": self.path,
+            "skipped": self.skipped,
             "concurrency": self.concurrency,
             "requests": self.requests,
             "chunks": self.chunks,
@@ -168,6 +240,18 @@ async def measure(
     return cell
 
 
+async def warm_up(client: httpx.AsyncClient, url: str, config: OverheadConfig) -> None:
+    """One whole stream before anything is measured: a relay that loads its code on the first
+    call (LiteLLM does, for seconds) would otherwise spend the first cell's warm-up on it."""
+    body = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with trio.fail_after(WARM_UP_S):
+        async with client.stream("POST", url + CHAT, json=body) as response:
+            async for _ in response.aiter_raw():
+                pass
+    if response.status_code != 200:
+        raise BenchError(f"{url} answered the warm-up stream with {response.status_code}")
+
+
 async def idle_cpu(proxy: Child, seconds: float) -> float | None:
     """The proxy's CPU use (cores) while nothing is sent to it."""
     before = process_cpu_seconds(proxy.pid)
@@ -211,23 +295,19 @@ async def run_overhead(config: OverheadConfig) -> list[Cell]:
                             client, backend.url, Cell("direct", concurrency), config, proxy=None
                         )
                     )
-                    for router in config.routers:
-                        settings = load_settings(
-                            host="127.0.0.1",
-                            port=0,
-                            backends=backend.url,
-                            router=router,
-                            db=str(Path(scratch) / f"{router}-{concurrency}.db"),
-                            restore=False,
+                    for target in config.targets:
+                        reason = missing(target)
+                        if reason is not None:
+                            cells.append(Cell(target, concurrency, skipped=reason))
+                            continue
+                        proxy = await start_target(
+                            nursery, target, backend.url, Path(scratch), concurrency
                         )
-                        proxy = await start_child(
-                            nursery, f"thunderproxy ({router})", serve_argv(settings),
-                            PROXY_LISTENING,
-                        )  # fmt: skip
                         try:
+                            await warm_up(client, proxy.url, config)
                             idle = await idle_cpu(proxy, config.idle_s)
                             cell = await measure(
-                                client, proxy.url, Cell(router, concurrency), config, proxy=proxy
+                                client, proxy.url, Cell(target, concurrency), config, proxy=proxy
                             )
                             cell.proxy_idle_cpu = idle
                             cells.append(cell)
@@ -239,17 +319,58 @@ async def run_overhead(config: OverheadConfig) -> list[Cell]:
     return cells
 
 
+async def start_target(
+    nursery: trio.Nursery, target: str, backend: str, scratch: Path, concurrency: int
+) -> Child:
+    """A fresh process of ``target`` in front of ``backend``."""
+    if target in ROUTERS:
+        settings = load_settings(
+            host="127.0.0.1",
+            port=0,
+            backends=backend,
+            router=target,
+            db=str(scratch / f"{target}-{concurrency}.db"),
+            restore=False,
+        )
+        argv = serve_argv(settings)
+        return await start_child(nursery, f"thunderproxy ({target})", argv, PROXY_LISTENING)
+    if target == "fastapi":
+        argv = [sys.executable, "-m", "thunderproxy.bench.relay_fastapi", "--backend", backend]
+        return await start_child(nursery, "fastapi relay", argv, PROXY_LISTENING)
+    config = scratch / "litellm.yaml"
+    config.write_text(litellm_config(backend), encoding="utf-8")
+    argv = [str(litellm_command()), "--config", str(config), "--host", "127.0.0.1"]
+    argv += ["--port", str(free_port())]
+    # LiteLLM's imports alone can take a minute on a loaded machine.
+    return await start_child(
+        nursery, "litellm proxy", argv, UVICORN_LISTENING, start_timeout=LITELLM_START_S
+    )
+
+
 def report(cells: list[Cell]) -> list[dict[str, Any]]:
-    """One row per (router, concurrency): the proxy's figures and what it adds to direct."""
+    """One row per (target, concurrency): its figures, what it adds to direct, and its
+    requests/s as a ratio to direct's and to thunderproxy's (the first router measured)."""
     direct = {c.concurrency: c.summary() for c in cells if c.path == "direct"}
+    ours: dict[int, dict[str, Any]] = {}
+    for cell in cells:
+        if cell.path in ROUTERS and cell.skipped is None:
+            ours.setdefault(cell.concurrency, cell.summary())
     rows = []
     for cell in cells:
         row = cell.summary()
+        if cell.skipped is not None:
+            rows.append(row)
+            continue
         base = direct.get(cell.concurrency)
         if cell.path != "direct" and base is not None:
             for key in ("ttft_p50_ms", "ttft_p99_ms", "total_p50_ms", "total_p99_ms"):
                 if row[key] is not None and base[key] is not None:
                     row["added_" + key] = row[key] - base[key]
+            if base["requests_per_s"]:
+                row["rps_vs_direct"] = row["requests_per_s"] / base["requests_per_s"]
+        mine = ours.get(cell.concurrency)
+        if cell.path in RELAYS and mine is not None and mine["requests_per_s"]:
+            row["rps_vs_thunderproxy"] = row["requests_per_s"] / mine["requests_per_s"]
         rows.append(row)
     return rows
 
@@ -259,6 +380,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         ("path", "{}"),
         ("concurrency", "{}"),
         ("requests_per_s", "{:.1f}"),
+        ("rps_vs_direct", "{:.2f}"),
+        ("rps_vs_thunderproxy", "{:.2f}"),
         ("ttft_p50_ms", "{:.1f}"),
         ("ttft_p99_ms", "{:.1f}"),
         ("total_p50_ms", "{:.1f}"),
@@ -275,8 +398,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         ("errors", "{}"),
     )
     header = [name for name, _ in columns]
+    measured = [row for row in rows if row.get("skipped") is None]
     body = []
-    for row in rows:
+    for row in measured:
         cells = []
         for name, spec in columns:
             value = row.get(name)
@@ -285,8 +409,26 @@ def table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+    skipped = {row["path"]: row["skipped"] for row in rows if row.get("skipped") is not None}
+    lines += [f"{path}: {reason}" for path, reason in skipped.items()]
     return "\n".join(lines)
 
 
+def describe_run(config: OverheadConfig) -> str:
+    """What the table was measured on: the run's shape and the machine's load when it ended."""
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "-"
+    return (
+        f"{config.chunks} chunks {config.interval_ms:g} ms apart per stream; "
+        f"{config.seconds:g} s measured per cell after {config.warmup_s:g} s warm-up; "
+        f"{os.cpu_count()} CPUs, load average {load} (1, 5, 15 min) at the end; "
+        f"Python {sys.version.split()[0]}"
+    )
+
+
 def as_json(config: OverheadConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"mode": "overhead", "config": asdict(config), "results": rows}
+    return {
+        "mode": "overhead",
+        "config": asdict(config),
+        "machine": describe_run(config),
+        "results": rows,
+    }

@@ -133,16 +133,21 @@ async def _keep_reading(child: Child) -> None:
 
 
 async def start_child(
-    nursery: trio.Nursery, name: str, argv: Sequence[str], listening: re.Pattern[bytes]
+    nursery: trio.Nursery,
+    name: str,
+    argv: Sequence[str],
+    listening: re.Pattern[bytes],
+    *,
+    start_timeout: float = START_TIMEOUT_S,
 ) -> Child:
-    """Start a process and wait for the line saying where it listens."""
+    """Start a process and wait (up to ``start_timeout`` s) for the line saying where it listens."""
     process = await trio.lowlevel.open_process(
         list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     assert process.stderr is not None
     output = bytearray()
     try:
-        with trio.fail_after(START_TIMEOUT_S):
+        with trio.fail_after(start_timeout):
             while True:
                 chunk = await process.stderr.receive_some(65536)
                 if not chunk:

@@ -1,0 +1,145 @@
+"""The relay's HTTP/1.1 client: de-chunking in any split, keep-alive reuse, a retry only for a
+connection the server closed while idle, and an unfinished answer closing its connection."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from functools import partial
+
+import pytest
+import trio
+
+from thunderproxy.backends.base import UpstreamRequest
+from thunderproxy.backends.h1 import ChunkedDecoder, H1Pool
+from thunderproxy.errors import BackendProtocolError, BackendUnavailable
+
+CHUNKED = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\nx-trailer: 1\r\n\r\n"
+
+
+@pytest.mark.parametrize("split", range(1, len(CHUNKED)))
+def test_chunked_body_in_any_split(split: int) -> None:
+    decoder = ChunkedDecoder()
+    out = decoder.feed(CHUNKED[:split]) + decoder.feed(CHUNKED[split:])
+    assert out == b"hello world!"
+    assert decoder.done
+    assert not decoder.extra
+
+
+def test_chunked_body_byte_by_byte_and_whole() -> None:
+    decoder = ChunkedDecoder()
+    assert b"".join(decoder.feed(bytes([b])) for b in CHUNKED) == b"hello world!"
+    whole = ChunkedDecoder()
+    assert whole.feed(CHUNKED + b"HTTP/1.1") == b"hello world!"
+    assert whole.done
+    assert whole.extra  # bytes past the end: the connection is not reused
+
+
+@pytest.mark.parametrize("bad", [b"zz\r\nab\r\n", b"+5\r\nhello\r\n", b"2\r\nabXY", b"5" * 5000])
+def test_malformed_framing_is_refused(bad: bytes) -> None:
+    with pytest.raises(ValueError):
+        ChunkedDecoder().feed(bad)
+
+
+ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def read_request(stream: trio.SocketStream) -> bytes | None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = await stream.receive_some(65536)
+        if not more:
+            return None
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    sizes = [line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+    length = int(sizes[0].split(b":")[1]) if sizes else 0
+    while len(body) < length:
+        body += await stream.receive_some(65536)
+    return head
+
+
+async def test_keep_alive_reuse_and_retry_after_an_idle_close() -> None:
+    connections: list[int] = []
+    heads: list[bytes] = []
+
+    async def backend(stream: trio.SocketStream) -> None:
+        connections.append(1)
+        head = await read_request(stream)
+        assert head is not None
+        heads.append(head)
+        await stream.send_all(ANSWER + b"2\r\nok\r\n0\r\n\r\n")
+        if len(connections) == 1:
+            head = await read_request(stream)  # the second request, on the same connection
+            assert head is not None
+            heads.append(head)
+            await stream.send_all(ANSWER + b"3\r\nyes\r\n0\r\n\r\n")
+        # Then this connection is closed while the client holds it idle.
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, backend, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        pool = H1Pool(
+            f"http://u:p%40ss@127.0.0.1:{port}/base", connect_timeout=5, max_connections=4
+        )
+        request = UpstreamRequest("POST", "/v1/x?q=1", [("x-a", "b")], b"{}")
+        with trio.fail_after(10):
+            first = await pool.send(request)
+            assert await first.aread() == b"ok"
+            second = await pool.send(request)
+            assert (second.status_code, await second.aread()) == (200, b"yes")
+            await trio.sleep(0.05)  # the server closes the idle connection meanwhile
+            third = await pool.send(request)
+            assert await third.aread() == b"ok"
+        assert len(connections) == 2
+        assert heads[0].startswith(b"POST /base/v1/x?q=1 HTTP/1.1\r\n")
+        assert b"authorization: Basic dTpwQHNz" in heads[0]  # "u:p@ss", as httpx sends it
+        assert b"content-length: 2" in heads[0]
+        assert b"x-a: b" in heads[0]
+        pool.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_answer_closed_half_way_closes_its_connection() -> None:
+    seen_end = trio.Event()
+
+    async def backend(stream: trio.SocketStream) -> None:
+        await read_request(stream)
+        await stream.send_all(ANSWER + b"2\r\nok\r\n")
+        with trio.fail_after(5):
+            while await stream.receive_some(65536):
+                pass
+        seen_end.set()  # the backend learns the client left: it would abort the request
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, backend, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        pool = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
+        with trio.fail_after(10):
+            response = await pool.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))
+            async with aclosing(response.aiter_raw()) as chunks:
+                assert await chunks.__anext__() == b"ok"
+                await response.aclose()
+            await seen_end.wait()
+            assert not pool._idle
+        nursery.cancel_scope.cancel()
+
+
+async def test_refused_and_malformed_answers_are_backend_errors() -> None:
+    async def garbage(stream: trio.SocketStream) -> None:
+        await read_request(stream)
+        await stream.send_all(b"SPDY/9 200\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, garbage, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        pool = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
+        with pytest.raises(BackendProtocolError, match="malformed"):
+            await pool.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))
+        # The slot of the failed request was given back.
+        with pytest.raises(BackendProtocolError):
+            await pool.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))
+        listeners[0].socket.close()
+        nursery.cancel_scope.cancel()
+    refused = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
+    with pytest.raises(BackendUnavailable, match="refused"):
+        await refused.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))

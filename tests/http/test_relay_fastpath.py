@@ -1,0 +1,156 @@
+"""The relay's fast path, counted over a real loopback stream: whatever upstream bytes one read
+brings go downstream in one write, never one write per event.
+
+Not a timing test: it counts the proxy's socket writes to its client while one streamed call is
+relayed. A backend that writes a whole 40-event answer (40 HTTP
+chunks) at once must cost the proxy a handful of downstream writes; a relay that went back to
+one write per chunk or per event (httpx's reader, a per-event loop) makes 40 or more.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.conftest import query, running_proxy
+
+EVENTS = 40
+METRICS = (
+    b"# TYPE vllm:cache_config_info gauge\n"
+    b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+)
+
+
+def _chunked(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+def burst_answer(events: int) -> bytes:
+    """A streamed chat answer as one write: head, ``events`` token chunks and the usage chunk,
+    each its own HTTP chunk, and the end."""
+    token = {"choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": None}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": events}}
+    body = [_chunked(b"data: " + json.dumps(token).encode() + b"\n\n") for _ in range(events)]
+    body.append(_chunked(b"data: " + json.dumps(usage).encode() + b"\n\n"))
+    body.append(_chunked(b"data: [DONE]\n\n"))
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    return head + b"".join(body) + b"0\r\n\r\n"
+
+
+def plain(status: int, body: bytes, content_type: bytes) -> bytes:
+    return b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (
+        status,
+        content_type,
+        len(body),
+        body,
+    )
+
+
+async def serve_burst_backend(stream: trio.SocketStream) -> None:
+    """A plain-socket backend, so that how its answer is split into writes is exact."""
+    buffer = b""
+    while True:
+        while b"\r\n\r\n" not in buffer:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            buffer += data
+        head, _, buffer = buffer.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        path = lines[0].split(b" ")[1]
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(buffer) < length:
+            buffer += await stream.receive_some(65536)
+        buffer = buffer[length:]
+        if path == b"/v1/chat/completions":
+            await stream.send_all(burst_answer(EVENTS))
+        elif path == b"/metrics":
+            await stream.send_all(plain(200, METRICS, b"text/plain"))
+        elif path == b"/v1/models":
+            models = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
+            await stream.send_all(plain(200, models, b"application/json"))
+        else:
+            await stream.send_all(plain(200, b"", b"text/plain"))
+
+
+class SocketCounter:
+    """Counts the server side's socket writes (Hypercorn's, through trio's SocketStream) by
+    the local port of the socket: the proxy's port counts its writes to its clients."""
+
+    def __init__(self) -> None:
+        self.sends: Counter[int] = Counter()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        send_all = trio.SocketStream.send_all
+
+        async def counted_send(self_: trio.SocketStream, data: Any) -> None:
+            self.sends[self_.socket.getsockname()[1]] += 1
+            await send_all(self_, data)
+
+        monkeypatch.setattr(trio.SocketStream, "send_all", counted_send)
+
+
+async def relay_one_stream(
+    tmp_path: Path, counter: SocketCounter, check: Callable[[int, list[str]], Awaitable[None]]
+) -> None:
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, serve_burst_backend, 0, host="127.0.0.1")
+        )
+        backend_port = listeners[0].socket.getsockname()[1]
+        db = tmp_path / "audit.db"
+        async with (
+            running_proxy(
+                db,
+                backends=f"http://127.0.0.1:{backend_port}",
+                metrics_interval=600.0,
+                datasette=False,
+            ) as proxy,
+            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+        ):
+            proxy_port = int(proxy.url.rsplit(":", 1)[1])
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            with trio.fail_after(30):
+                counter.sends.clear()
+                async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                    assert response.status_code == 200
+                    lines = [line async for line in response.aiter_lines() if line]
+                writes = counter.sends[proxy_port]
+            await check(writes, lines)
+        nursery.cancel_scope.cancel()
+    (step,) = query(db, "select status, completion_tokens, prompt_tokens from steps")
+    # Usage was read on the way, though the client never saw the usage chunk.
+    assert step == {"status": 200, "completion_tokens": EVENTS, "prompt_tokens": 7}
+
+
+async def test_a_burst_of_events_goes_downstream_in_a_few_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counter = SocketCounter()
+    counter.install(monkeypatch)
+
+    async def check(writes: int, lines: list[str]) -> None:
+        # Everything the client asked for, and the usage chunk it did not ask for hidden.
+        assert lines.count('data: {"choices": [{"index": 0, "delta": {"content": " tok"}, '
+                           '"finish_reason": null}]}') == EVENTS  # fmt: skip
+        assert lines[-1] == "data: [DONE]"
+        assert not any('"usage"' in line for line in lines)
+        # The backend wrote the whole answer at once: the response head, the body in one or
+        # two pieces (the proxy's first read may end mid-answer) and the last chunk.
+        assert writes <= 4, f"{writes} downstream writes for {EVENTS} events in one upstream write"
+
+    await relay_one_stream(tmp_path, counter, check)
