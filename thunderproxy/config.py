@@ -180,6 +180,13 @@ class PolicyConfig:
         "tr: half-life of an acting program's tokens in the capacity model (0: no decay).",
         flag="--acting-half-life",
     )
+    admission_half_life_s: float = setting(
+        30.0 * SECONDS,
+        "tr: half-life of an idle program's claim when a new program's first call asks to fit "
+        "(longer than --acting-half-life: newcomers wait at their boundary unless the programs "
+        "under way can still make their next calls).",
+        flag="--admission-half-life",
+    )
     max_wait_s: float = setting(
         120.0 * SECONDS,
         "tr: the longest a call waits for capacity: at half of it, it reserves the next free "

@@ -182,3 +182,18 @@ def test_a_ledger_needs_enough_calls_before_it_turns_holding_off() -> None:
 def test_the_horizon_is_where_tr_stops_counting_an_idle_cache() -> None:
     assert costs.horizon_s(PolicyConfig(acting_half_life_s=5.0)) == 20.0
     assert costs.horizon_s(PolicyConfig(acting_half_life_s=0.0, idle_lease_s=600)) == 600
+
+
+def test_a_queued_newcomer_fits_only_where_programs_under_way_keep_room_for_their_next_call() -> (
+    None
+):
+    cfg = replace(CFG, acting_half_life_s=5.0, admission_half_life_s=60.0)
+    idle = prog("idle", A, 6_000, acting_since=0.0)  # its tool ended 20 s ago, likely back soon
+    newcomer = prog("new", P, 5_500, waiting_since=15.0, paused_since=15.0, steps=0)
+    midway = prog("midway", P, 5_500, waiting_since=15.0, paused_since=10.0, steps=4)
+    # To a program under way, the idle claim has decayed (6,000 · 2^-4 = 375): it goes back.
+    decisions = policy.resume([backend()], [idle, midway], cfg, now=20.0)
+    assert [(d.action, d.program_id) for d in decisions] == [(Action.RESUME, "midway")]
+    # A first call sees 6,000 · 2^(-20/60) = 4,762 still claimed: it waits at its boundary.
+    assert policy.resume([backend()], [idle, newcomer], cfg, now=20.0) == []
+    assert policy.admission_used(backend(), [idle], cfg, now=20.0) == 4_762

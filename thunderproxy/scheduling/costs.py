@@ -16,8 +16,9 @@ measured in seconds of latency per call:
   answer): what it recomputes if its cache was evicted.
 - ``prefill_s_per_token``: the fastest prefill seen recently per uncached prompt token (the
   least queued calls say most about the engine's own speed).
-- ``in_flight``: calls in flight on the backend when a call goes out: a second of recompute is
-  a second every one of them waits for the engine.
+- ``in_flight``: calls in flight on the backend when a call goes out, plus the calls held back
+  for it (without holding they would be in flight too): a second of recompute is a second
+  every one of them waits for the engine.
 
 Holding pays while ``recompute_s >= wait_s``. ``wait_s`` is learned only while holding is on
 (what holding costs cannot be seen while it is off); the recompute side keeps learning, so a

@@ -105,8 +105,9 @@ def decay(idle_s: float, half_life_s: float) -> float:
     return math.pow(2.0, -max(0.0, idle_s) / half_life_s)
 
 
-def weight(p: ProgramView, cfg: PolicyConfig, now: float) -> int:
-    """The program's expected claim on KV tokens right now."""
+def weight(p: ProgramView, cfg: PolicyConfig, now: float, half_life_s: float | None = None) -> int:
+    """The program's expected claim on KV tokens right now (an idle program's claim halving
+    every ``half_life_s``, by default ``acting_half_life_s``)."""
     if p.status is ProgramStatus.REASONING or (
         p.status is ProgramStatus.ACTING and p.waiting_since is not None
     ):
@@ -114,7 +115,8 @@ def weight(p: ProgramView, cfg: PolicyConfig, now: float) -> int:
         return p.tokens + cfg.decode_buffer
     if p.status is ProgramStatus.ACTING:
         idle = 0.0 if p.acting_since is None else now - p.acting_since
-        return int(p.tokens * cfg.tool_coefficient * decay(idle, cfg.acting_half_life_s))
+        half_life = cfg.acting_half_life_s if half_life_s is None else half_life_s
+        return int(p.tokens * cfg.tool_coefficient * decay(idle, half_life))
     return 0
 
 
@@ -138,7 +140,11 @@ def limit(
 
 
 def used_tokens(
-    b: BackendView, programs: Iterable[ProgramView], cfg: PolicyConfig, now: float
+    b: BackendView,
+    programs: Iterable[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+    half_life_s: float | None = None,
 ) -> int:
     """Projected KV use of a backend; marked programs are credited (they leave at their next
     step end), and every program with a claim past the first shares the common prefix (an idle
@@ -148,11 +154,23 @@ def used_tokens(
     for p in programs:
         if p.backend != b.url or p.marked:
             continue
-        w = weight(p, cfg, now)
+        w = weight(p, cfg, now, half_life_s)
         if p.status is ProgramStatus.REASONING or (p.status is ProgramStatus.ACTING and w > 0):
             active += 1
             total += w
     return max(0, total - max(0, active - 1) * b.shared_prefix_tokens)
+
+
+def admission_used(
+    b: BackendView, programs: Iterable[ProgramView], cfg: PolicyConfig, now: float
+) -> int:
+    """KV use as a new program's first call sees it: idle programs' claims decay with the
+    longer ``admission_half_life_s``. A newcomer is let in only where the programs under way
+    can still make their next calls; otherwise it would be they who wait, mid-task, for it."""
+    half_life = max(cfg.acting_half_life_s, cfg.admission_half_life_s)
+    if cfg.acting_half_life_s <= 0:
+        half_life = 0.0  # no decay at all already counts every claim whole
+    return used_tokens(b, programs, cfg, now, half_life)
 
 
 def waited(p: ProgramView, now: float) -> float | None:
@@ -239,7 +257,7 @@ def admit(
 ) -> Decision:
     """May a new program's first call go out now on backend ``b``, or must it queue?"""
     cap = limit(b, cfg)
-    used = used_tokens(b, programs, cfg, now)
+    used = admission_used(b, programs, cfg, now)
     if cap is None:
         return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, used)
     if not b.hold:
@@ -411,6 +429,12 @@ def resume(
     # come (one pass over the programs per backend, not one per candidate: this runs on every
     # step end, with up to thousands of programs).
     used_by = {b.url: used_tokens(b, programs, cfg, now) for b in healthy}
+    # First calls fit against the admission view (admission_used), later calls the usual one.
+    newcomers = any(p.steps == 0 for p in waiting)
+    admit_by = {
+        b.url: admission_used(b, programs, cfg, now) if newcomers else used_by[b.url]
+        for b in healthy
+    }
     decisions: list[Decision] = []
     blocked = False
     for position, p in enumerate([*waiting, *idle]):
@@ -435,6 +459,7 @@ def resume(
                 )
             )
             used_by[own.url] += p.tokens + cfg.decode_buffer
+            admit_by[own.url] += p.tokens + cfg.decode_buffer
             continue
         if p.waiting_since is not None and waited >= cfg.max_wait_s:
             target = own or min(group, key=lambda b: used_by[b.url])
@@ -453,6 +478,7 @@ def resume(
                 )
             )
             used_by[target.url] += p.tokens + cfg.decode_buffer
+            admit_by[target.url] += p.tokens + cfg.decode_buffer
             continue
         if blocked:
             continue
@@ -465,7 +491,7 @@ def resume(
             if b.url not in ready:
                 continue
             used = used_by[b.url]
-            if not _fits(p, b, used, cfg):
+            if not _fits(p, b, admit_by[b.url] if p.steps == 0 else used, cfg):
                 continue
             if b is own or p.backend is None:
                 action, rule = Action.RESUME, "capacity_free"
@@ -487,6 +513,7 @@ def resume(
                 )
             )
             used_by[b.url] += p.tokens + cfg.decode_buffer
+            admit_by[b.url] += p.tokens + cfg.decode_buffer
             placed = True
             break
         if not placed and p.waiting_since is not None and waited >= cfg.max_wait_s / 2:

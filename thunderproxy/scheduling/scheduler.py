@@ -166,7 +166,7 @@ class Scheduler:
         schedule = self.schedule_of(node.url)
         schedule.hold = schedule.hold.observe_call(
             waited_s=now - arrived_at,
-            in_flight=node.in_flight,
+            in_flight=node.in_flight + self._held_on(node.url),
             reuse_tokens=program.total_tokens if program.step_count else 0,
             holding=self.source.holding(schedule)[0],
         )
@@ -185,6 +185,14 @@ class Scheduler:
         )
         self.rebalance(now, backends=[node.url])
         return lease
+
+    def _held_on(self, url: str) -> int:
+        """Calls held back for a backend now: without holding they would be in flight there."""
+        held = 0
+        for program_id in self._waiters.programs():
+            program = self.registry.find(program_id)
+            held += program is not None and program.backend == url
+        return held
 
     def _observe_return(self, program: Program, arrived_at: float) -> None:
         """Teach the backend's ledger whether the program came back while tr still counts its
