@@ -128,11 +128,17 @@ def test_where_holding_does_not_pay_tr_proxies_like_default() -> None:
 
 
 def _calls(
-    ledger: HoldLedger, n: int, *, waited: float, reuse: int, holding: bool = True
+    ledger: HoldLedger,
+    n: int,
+    *,
+    waited: float,
+    reuse: int,
+    missed: int = 0,
+    holding: bool = True,
 ) -> HoldLedger:
     for _ in range(n):
         ledger = ledger.observe_call(
-            waited_s=waited, in_flight=9, reuse_tokens=reuse, holding=holding
+            waited_s=waited, in_flight=9, reuse_tokens=reuse, missed_tokens=missed, holding=holding
         )
     return ledger
 
@@ -144,30 +150,49 @@ def test_holding_pays_while_programs_come_back_and_not_when_they_do_not() -> Non
     ledger = ledger.observe_prefill(20_000, 2.0)  # a queued call: slower, not the engine's rate
     ledger = ledger.observe_prefill(100, 5.0)  # too small to say anything
     assert ledger.prefill_s_per_token == 0.5 / 20_000
-    # Agents: every call comes back at once with 20K tokens of history, calls wait 4 s.
+    # Agents: every call comes back at once with 20K tokens of history, calls wait 4 s. Not
+    # holding would cost an estimated 20,000 · 25 µs · 10 calls = 5 s of recompute per call.
     agents = _calls(ledger, costs.MIN_CALLS, waited=4.0, reuse=20_000)
-    for _ in range(64):
-        agents = agents.observe_return(True)
-    assert agents.recompute_s is not None
-    assert agents.recompute_s > agents.wait_s
+    assert agents.estimate_off == 5.0
+    assert agents.cost_on == 4.0
     assert agents.pays
     # Chats: most sessions never come back, the calls that are held wait long.
     chats = _calls(ledger, costs.MIN_CALLS, waited=8.0, reuse=2_000)
     for _ in range(200):
         chats = chats.observe_return(False)
-    assert chats.recompute_s is not None
-    assert chats.recompute_s < chats.wait_s
+    assert chats.estimate_off is not None
+    assert chats.estimate_off < 0.1
     assert not chats.pays
     inputs = chats.inputs()
     assert inputs["calls"] == costs.MIN_CALLS
     assert inputs["prefill_us_per_token"] == 25.0
-    # What holding costs is not learned while it is off (no call is held then) ...
-    assert _calls(chats, 500, waited=0.0, reuse=2_000, holding=False).wait_s == chats.wait_s
-    # ... while the programs coming back again is, and turns it back on.
-    for _ in range(400):
-        chats = chats.observe_return(True)
-    chats = _calls(chats, 400, waited=0.0, reuse=40_000, holding=False)
-    assert chats.pays
+
+
+def test_once_measured_without_holding_the_measured_cost_decides() -> None:
+    ledger = HoldLedger().observe_prefill(20_000, 0.5)
+    # The estimate (one recompute per returning call, 5 s) is below the 6 s waits: holding
+    # stops, and calls are then measured without it.
+    ledger = _calls(ledger, costs.MIN_CALLS, waited=6.0, reuse=20_000)
+    assert not ledger.pays
+    # Without holding, evictions cascade: calls find 16K of their 20K history gone, which
+    # costs 16,000 · 25 µs · 10 = 4 s each. Before MIN_CALLS of them the estimate stands.
+    ledger = _calls(ledger, costs.MIN_CALLS - 1, waited=0.0, reuse=20_000, missed=16_000,
+                    holding=False)  # fmt: skip
+    assert not ledger.pays
+    ledger = _calls(ledger, 1, waited=0.0, reuse=20_000, missed=16_000, holding=False)
+    assert ledger.cost_off == 4.0
+    assert not ledger.pays  # 4 s of recompute against 6 s of waiting: still cheaper off
+    # Thrashing grows (all 20K lost: 5 s, and 40 calls share the engine: 20 s): holding is
+    # back, and stays while the measured cost without it is the higher.
+    worse = ledger
+    for _ in range(200):
+        worse = worse.observe_call(
+            waited_s=0.0, in_flight=39, reuse_tokens=20_000, missed_tokens=20_000, holding=False
+        )
+    assert worse.cost_off is not None
+    assert worse.cost_off > 6.0
+    assert worse.pays
+    assert _calls(worse, 50, waited=6.0, reuse=20_000).pays
 
 
 def test_a_ledger_needs_enough_calls_before_it_turns_holding_off() -> None:

@@ -45,6 +45,11 @@ class StepLease:
     tool_s: float | None
     context_chars: int
     closed: bool = False
+    #: For the hold ledger (costs.py): the program's history the call carries, the calls on or
+    #: held for its backend when it went out, and whether tr was holding there then.
+    reuse_tokens: int = 0
+    busy: int = 0
+    holding: bool = True
 
 
 class Affinity(Protocol):
@@ -163,13 +168,9 @@ class Scheduler:
         if self.affinity is not None:
             self.affinity.placed(program_id, node.url)
         now = self._now()
-        schedule = self.schedule_of(node.url)
-        schedule.hold = schedule.hold.observe_call(
-            waited_s=now - arrived_at,
-            in_flight=node.in_flight + self._held_on(node.url),
-            reuse_tokens=program.total_tokens if program.step_count else 0,
-            holding=self.source.holding(schedule)[0],
-        )
+        reuse = program.total_tokens if program.step_count else 0
+        busy = node.in_flight + self._held_on(node.url)
+        holding = self.source.holding(self.schedule_of(node.url))[0]
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
         node.in_flight += 1
         step = program.step_count
@@ -182,6 +183,9 @@ class Scheduler:
             sent_at=now,
             tool_s=program.last_tool_s,
             context_chars=context_chars,
+            reuse_tokens=reuse,
+            busy=busy,
+            holding=holding,
         )
         self.rebalance(now, backends=[node.url])
         return lease
@@ -323,6 +327,27 @@ class Scheduler:
         if decision is not None:
             self._apply(decision, now)
 
+    def _observe_costs(
+        self, lease: StepLease, usage: StepUsage, first_token_at: float | None
+    ) -> None:
+        """What the call teaches the backend's hold ledger: the engine's prefill speed, and the
+        call's cost (its wait, and the recompute of its own history it found evicted)."""
+        schedule = self.schedule_of(lease.node.url)
+        ledger = schedule.hold
+        if first_token_at is not None and usage.prompt_tokens:
+            ledger = ledger.observe_prefill(
+                usage.prompt_tokens - (usage.cached_tokens or 0), first_token_at - lease.sent_at
+            )
+        if usage.cached_tokens is not None or not lease.reuse_tokens:
+            ledger = ledger.observe_call(
+                waited_s=lease.sent_at - lease.arrived_at,
+                in_flight=lease.busy,
+                reuse_tokens=lease.reuse_tokens,
+                missed_tokens=max(0, lease.reuse_tokens - (usage.cached_tokens or 0)),
+                holding=lease.holding,
+            )
+        schedule.hold = ledger
+
     def close(
         self,
         lease: StepLease,
@@ -339,11 +364,7 @@ class Scheduler:
         now = self._now()
         lease.node.in_flight -= 1
         program = lease.program
-        if first_token_at is not None and usage.prompt_tokens:
-            schedule = self.schedule_of(lease.node.url)
-            schedule.hold = schedule.hold.observe_prefill(
-                usage.prompt_tokens - (usage.cached_tokens or 0), first_token_at - lease.sent_at
-            )
+        self._observe_costs(lease, usage, first_token_at)
         tracked = program.program_id in self.registry
         if tracked:
             self.registry.end_step(program, now, usage, reason=reason)
