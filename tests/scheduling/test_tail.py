@@ -150,12 +150,14 @@ def test_holding_pays_while_programs_come_back_and_not_when_they_do_not() -> Non
     ledger = ledger.observe_prefill(20_000, 2.0)  # a queued call: slower, not the engine's rate
     ledger = ledger.observe_prefill(100, 5.0)  # too small to say anything
     assert ledger.prefill_s_per_token == 0.5 / 20_000
-    # Agents: every call comes back at once with 20K tokens of history, calls wait 4 s. Not
-    # holding would cost an estimated 20,000 · 25 µs · 10 calls = 5 s of recompute per call.
-    agents = _calls(ledger, costs.MIN_CALLS, waited=4.0, reuse=20_000)
+    # Agents: every call comes back at once with 20K tokens of history, calls wait 8 s. Not
+    # holding would cost at least 20,000 · 25 µs · 10 calls = 5 s of recompute per call, a
+    # lower bound: within twice the wait, holding goes on.
+    agents = _calls(ledger, costs.MIN_CALLS, waited=8.0, reuse=20_000)
     assert agents.estimate_off == 5.0
-    assert agents.cost_on == 4.0
+    assert agents.cost_on == 8.0
     assert agents.pays
+    assert not _calls(agents, 300, waited=11.0, reuse=20_000).pays
     # Chats: most sessions never come back, the calls that are held wait long.
     chats = _calls(ledger, costs.MIN_CALLS, waited=8.0, reuse=2_000)
     for _ in range(200):
@@ -170,9 +172,9 @@ def test_holding_pays_while_programs_come_back_and_not_when_they_do_not() -> Non
 
 def test_once_measured_without_holding_the_measured_cost_decides() -> None:
     ledger = HoldLedger().observe_prefill(20_000, 0.5)
-    # The estimate (one recompute per returning call, 5 s) is below the 6 s waits: holding
-    # stops, and calls are then measured without it.
-    ledger = _calls(ledger, costs.MIN_CALLS, waited=6.0, reuse=20_000)
+    # The estimate (one recompute per returning call, 5 s) is under half the 12 s waits:
+    # holding stops, and calls are then measured without it.
+    ledger = _calls(ledger, costs.MIN_CALLS, waited=12.0, reuse=20_000)
     assert not ledger.pays
     # Without holding, evictions cascade: calls find 16K of their 20K history gone, which
     # costs 16,000 · 25 µs · 10 = 4 s each. Before MIN_CALLS of them the estimate stands.
@@ -181,7 +183,7 @@ def test_once_measured_without_holding_the_measured_cost_decides() -> None:
     assert not ledger.pays
     ledger = _calls(ledger, 1, waited=0.0, reuse=20_000, missed=16_000, holding=False)
     assert ledger.cost_off == 4.0
-    assert not ledger.pays  # 4 s of recompute against 6 s of waiting: still cheaper off
+    assert not ledger.pays  # 4 s of recompute against 12 s of waiting: still cheaper off
     # Thrashing grows (all 20K lost: 5 s, and 40 calls share the engine: 20 s): holding is
     # back, and stays while the measured cost without it is the higher.
     worse = ledger
@@ -190,9 +192,9 @@ def test_once_measured_without_holding_the_measured_cost_decides() -> None:
             waited_s=0.0, in_flight=39, reuse_tokens=20_000, missed_tokens=20_000, holding=False
         )
     assert worse.cost_off is not None
-    assert worse.cost_off > 6.0
+    assert worse.cost_off > 12.0
     assert worse.pays
-    assert _calls(worse, 50, waited=6.0, reuse=20_000).pays
+    assert _calls(worse, 50, waited=12.0, reuse=20_000).pays
 
 
 def test_a_ledger_needs_enough_calls_before_it_turns_holding_off() -> None:
