@@ -181,6 +181,13 @@ def test_once_measured_without_holding_the_measured_cost_decides() -> None:
     ledger = _calls(ledger, costs.MIN_CALLS - 1, waited=0.0, reuse=20_000, missed=16_000,
                     holding=False)  # fmt: skip
     assert not ledger.pays
+    # Meanwhile the estimate alone would turn holding back on (more calls share the engine
+    # now): it stays off until measured, not on and off call after call.
+    busier = replace(ledger, in_flight=100.0)
+    assert busier.estimate_off is not None
+    assert busier.estimate_off * costs.ESTIMATE_MARGIN > 12.0
+    assert not busier.pays
+    assert replace(busier, calls_off=0).pays  # the estimate alone would have
     ledger = _calls(ledger, 1, waited=0.0, reuse=20_000, missed=16_000, holding=False)
     assert ledger.cost_off == 4.0
     assert not ledger.pays  # 4 s of recompute against 12 s of waiting: still cheaper off

@@ -28,7 +28,8 @@ carries. The estimate counts one recompute per returning call; evictions that ca
 recompute evicting another program that comes back) it does not see. So it stops holding only
 where holding costs ``ESTIMATE_MARGIN`` times more (64 short SWE-agent programs: 3.1 s estimated
 against 3.8 s of waiting, and letting go of the hold there lowered the hit rate), and once
-holding has stopped, the measured ``cost_off`` decides: after ``MIN_CALLS`` calls
+holding has stopped, it stays off for ``MIN_CALLS`` calls and the measured ``cost_off``
+decides: after ``MIN_CALLS`` calls
 without holding the ledger compares measured against measured, and so holding comes back
 where releasing it made calls recompute more than holding made them wait.
 
@@ -145,6 +146,11 @@ class HoldLedger:
         if self.measured_off:
             assert self.cost_off is not None
             return self.cost_off >= self.cost_on
+        if self.calls_off:
+            # Holding has stopped and calls are being measured without it: the estimate near
+            # its threshold would otherwise turn it on and off call after call, each time
+            # pausing and resuming many programs at once.
+            return False
         estimate = self.estimate_off
         return estimate is None or estimate * ESTIMATE_MARGIN >= self.cost_on
 
