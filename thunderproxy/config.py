@@ -190,8 +190,8 @@ class PolicyConfig:
     max_wait_s: float = setting(
         120.0 * SECONDS,
         "tr: the longest a call waits for capacity: at half of it, it reserves the next free "
-        "capacity and idle or running programs are paused to make room for it; at the bound "
-        "it is resumed, capacity or not.",
+        "capacity and idle programs are paused to make room for it; at the bound it is "
+        "resumed, capacity or not.",
         flag="--max-wait",
     )
     mid_program_head_start_s: float = setting(

@@ -67,18 +67,20 @@ def test_room_is_made_at_half_the_bound_pausing_the_longest_tool_first() -> None
     assert decisions[0].capacity_tokens == 10_000 - 3_000
 
 
-def test_a_running_call_is_time_sliced_for_a_call_at_half_its_bound() -> None:
+def test_running_calls_are_not_cut_short_to_make_room() -> None:
+    # Marking running calls for a waiting one (a time slice) evicted a running program's cache
+    # at every turn (SWE-agent, 32 programs: 28.1 steps/min with it, 33.2 without). Room is
+    # made from idle programs only; calls in flight are marked only when they alone overflow.
     head = prog("head", P, 5_000, waiting_since=0.0, paused_since=0.0, steps=3)
     old = prog("old", R, 5_000, created_at=0.0)
     young = prog("young", R, 4_000, created_at=5.0)
-    decisions = policy.enforce(backend(), [head, old, young], CFG, now=50.0)
+    assert policy.enforce(backend(), [head, old, young], CFG, now=50.0) == []
+    assert policy.resume([backend()], [head, old, young], CFG, now=50.0) == []
+    crowded = [head, old, replace(young, tokens=6_000)]
+    decisions = policy.enforce(backend(), crowded, CFG, now=50.0)
     assert [(d.action, d.program_id, d.rule) for d in decisions] == [
-        (Action.MARK, "young", "time_slice")
+        (Action.MARK, "young", "calls_exceed_capacity")
     ]
-    # Credited at once: the head goes back in the same round, before the bound.
-    after = [head, old, replace(young, marked=True)]
-    resumed = policy.resume([backend()], after, CFG, now=50.0)
-    assert [(d.action, d.program_id) for d in resumed] == [(Action.RESUME, "head")]
 
 
 def test_force_resume_at_the_bound_goes_to_its_own_backend_or_a_healthy_one() -> None:

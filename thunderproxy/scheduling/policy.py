@@ -363,9 +363,10 @@ def enforce(
         if used <= room:
             return decisions
     # Marking is for what pausing idle programs cannot fix: calls in flight that alone exceed
-    # the cache, which the engine would answer with preemptions, or that leave no room for a
-    # call at half its bound. An overflow made of idle programs' decayed claims is left to
-    # them: marking a busy program for it costs that program a wait and saves nobody's cache.
+    # the cache, which the engine would answer with preemptions. An overflow made of idle
+    # programs' decayed claims is left to them: marking a busy program for it costs that
+    # program a wait and saves nobody's cache. Nor are running calls marked to make room for a
+    # waiting one: such time slices evicted a running program's cache at every turn.
     busy = [
         p
         for p in mine
@@ -377,11 +378,12 @@ def enforce(
         (p for p in movable if p.status is ProgramStatus.REASONING),
         key=lambda p: -p.created_at,
     )
-    mark_rule = "calls_exceed_capacity" if reasoning_used > cap else "time_slice"
     for p in reasoning:
-        if reasoning_used <= room:
+        if reasoning_used <= cap:
             break
-        decisions.append(_decision(Action.MARK, p, mark_rule, b, cfg, now, used, cap=room, **extra))
+        decisions.append(
+            _decision(Action.MARK, p, "calls_exceed_capacity", b, cfg, now, used, cap=cap)
+        )
         reasoning_used -= weight(p, cfg, now)
         used -= weight(p, cfg, now)
     return decisions
