@@ -184,11 +184,32 @@ class PolicyConfig:
         "tr: half-life of an acting program's tokens in the capacity model (0: no decay).",
         flag="--acting-half-life",
     )
+    admission_half_life_s: float = setting(
+        30.0 * SECONDS,
+        "tr: half-life of an idle program's claim when a new program's first call asks to fit "
+        "(longer than --acting-half-life: newcomers wait at their boundary unless the programs "
+        "under way can still make their next calls).",
+        flag="--admission-half-life",
+    )
     max_wait_s: float = setting(
-        300.0 * SECONDS,
-        "tr: a paused program with a waiting request is resumed after this long, capacity "
-        "or not; at half of it, it reserves the next free capacity.",
+        120.0 * SECONDS,
+        "tr: the longest a call waits for capacity: at half of it, it reserves the next free "
+        "capacity and idle programs are paused to make room for it; at the bound it is "
+        "resumed, capacity or not.",
         flag="--max-wait",
+    )
+    mid_program_head_start_s: float = setting(
+        60.0 * SECONDS,
+        "tr: seconds of waiting credited to a program's later calls over new programs' first "
+        "calls in the resume order (new programs wait at their boundary; aging still serves "
+        "them within --max-wait).",
+        flag="--mid-program-head-start",
+    )
+    hold: str = setting(
+        "auto",
+        "tr: hold programs back for capacity: auto (while what it saves in recompute exceeds "
+        "what it costs in waiting, as measured), always, or never (proxy like default).",
+        choices=("auto", "always", "never"),
     )
     resume_protection_s: float = setting(
         30.0 * SECONDS,

@@ -449,7 +449,7 @@ class Gateway:
             reason = f"request failed ({status})"
         else:
             reason = "response complete"
-        if not self.scheduler.close(lease, usage, reason=reason):
+        if not self.scheduler.close(lease, usage, reason=reason, first_token_at=first_token_at):
             return
         now = trio.current_time()
         record = StepRecord.from_outcome(

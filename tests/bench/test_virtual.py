@@ -149,7 +149,9 @@ def test_tr_runs_repeat_exactly_whatever_else_the_process_allocated(
     # tasks, which would hide the tie order.
     monkeypatch.setattr(trio_run, "_ALLOW_DETERMINISTIC_SCHEDULING", False)
     first = history()
-    assert {"pause", "resume"} <= {action for _, action, _, _ in first[0]}
+    actions = {action for _, action, _, _ in first[0]}
+    assert "resume" in actions
+    assert actions & {"pause", "queue"}  # programs waited for capacity: ties mattered
     monkeypatch.setattr(trio_run, "id", lambda obj: -id(obj), raising=False)
     assert history() == first
 

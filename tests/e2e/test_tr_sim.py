@@ -51,6 +51,9 @@ async def replay(db: Path, router: str) -> list[dict[str, Any]]:
             decode_buffer=64,
             acting_half_life=1.0,
             max_wait=MAX_WAIT,
+            # The tail's times in the same proportions to these as their defaults.
+            admission_half_life=6.0,
+            mid_program_head_start=MAX_WAIT / 2,
         ) as proxy,
         httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
     ):

@@ -310,3 +310,17 @@ def test_views_answer_on_an_empty_db(tmp_path: Path) -> None:
     for name, query in canned_queries().items():
         params = {"program_id": "x"} if "program_id" in query["params"] else {}
         assert run_canned(db, name, **params) == [], name
+
+
+def test_call_waits_are_split_into_admission_and_mid_program(history: History) -> None:
+    summary = by(raw(history.db, "select * from wait_summary"), "wait_kind")
+    steps = raw(history.db, "select step, queue_s from steps")
+    for kind, first in (("admission", True), ("mid_program", False)):
+        waits = [s["queue_s"] for s in steps if (s["step"] <= 1) == first]
+        assert summary[kind]["calls"] == len(waits)
+        assert summary[kind]["max_wait_s"] == round(max(waits), 3)
+    # The scripted wait for capacity (epsilon's) is in the summary of its own kind.
+    epsilon = raw(history.db, "select * from call_waits where program_id = 'epsilon'")
+    longest = max(epsilon, key=lambda r: r["waited_s"])
+    assert longest["waited_s"] >= scenario.MAX_WAIT_S * 0.9
+    assert summary[longest["wait_kind"]]["max_wait_s"] >= longest["waited_s"] - 0.001

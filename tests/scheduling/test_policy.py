@@ -70,11 +70,19 @@ def test_acting_tokens_decay_with_the_configured_half_life() -> None:
 
 
 def test_decay_frees_room_for_admission() -> None:
-    cfg = PolicyConfig(decode_buffer=0, acting_half_life_s=5.0, target_fill=1.0)
+    cfg = PolicyConfig(
+        decode_buffer=0, acting_half_life_s=5.0, admission_half_life_s=20.0, target_fill=1.0
+    )
     programs = [prog("a", A, 9_000, acting_since=0.0)]
     newcomer = prog("new", R, 4_000)
     assert policy.admit(newcomer, backend(10_000), programs, cfg, now=1.0).action is Action.QUEUE
-    assert policy.admit(newcomer, backend(10_000), programs, cfg, now=10.0).action is Action.ADMIT
+    # Newcomers see idle claims decay with the longer admission half-life: at 10 s "a" still
+    # claims 6,364 tokens for them (its next call is likely), though only 2,250 for others.
+    assert policy.admit(newcomer, backend(10_000), programs, cfg, now=10.0).action is Action.QUEUE
+    assert policy.admit(newcomer, backend(10_000), programs, cfg, now=30.0).action is Action.ADMIT
+    a_returning = prog("a", A, 9_000, acting_since=0.0)
+    assert policy.weight(a_returning, cfg, now=10.0) == 2_250
+    assert policy.admission_used(backend(10_000), programs, cfg, now=10.0) == 6_363
 
 
 def test_pause_cooldown_limits_pause_rounds() -> None:

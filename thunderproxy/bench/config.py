@@ -51,6 +51,8 @@ TIME_SETTINGS = (
     "resume_cooldown",
     "acting_half_life",
     "max_wait",
+    "admission_half_life",
+    "mid_program_head_start",
     "resume_protection",
     "idle_lease",
 )

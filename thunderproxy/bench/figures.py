@@ -46,10 +46,18 @@ KEYS: tuple[tuple[str, str, str], ...] = (
     ("step_latency_p99_s", "call latency, 99th percentile", "{:.2f}"),
     ("ttft_p50_s", "time to first token, median", "{:.2f}"),
     ("ttft_p99_s", "time to first token, 99th percentile", "{:.2f}"),
+    ("ttft_first_p99_s", "time to first token of programs' first calls, p99", "{:.2f}"),
+    ("ttft_later_p99_s", "time to first token of calls after a program's first, p99", "{:.2f}"),
     ("program_time_p50_s", "program completion time (arrival to last token), median", "{:.0f}"),
     ("program_time_p99_s", "program completion time, 99th percentile", "{:.0f}"),
     ("pause_time_total_s", "time calls waited in the proxy (admission, pauses)", "{:.0f}"),
     ("pauses", "times the proxy moved a program to PAUSED", "{:,d}"),
+    ("wait_admission_total_s", "time first calls waited in the proxy (admission)", "{:.0f}"),
+    ("wait_admission_p99_s", "a first call's wait in the proxy, 99th percentile", "{:.1f}"),
+    ("wait_admission_max_s", "the longest wait of a first call in the proxy", "{:.1f}"),
+    ("wait_mid_total_s", "time later calls waited in the proxy (mid-program)", "{:.0f}"),
+    ("wait_mid_p99_s", "a later call's wait in the proxy, 99th percentile", "{:.1f}"),
+    ("wait_mid_max_s", "the longest wait of a later call in the proxy", "{:.1f}"),
     ("errors", "failed call attempts", "{:d}"),
     ("duration_s", "first arrival to last token", "{:.0f}"),
 )
@@ -86,10 +94,12 @@ def compute(
     *,
     pause_time_s: float | None,
     pauses: int | None = None,
+    waits: Sequence[tuple[int, float]] | None = None,
 ) -> dict[str, Any]:
     """The figures of one run (see :data:`KEYS`); ``pause_time_s`` in trio seconds and
     ``pauses`` (programs moved to PAUSED) are None when the target cannot say (a proxy that
-    is not thunderproxy)."""
+    is not thunderproxy). ``waits`` are the proxy's own ``(step, seconds waited)`` per call
+    (trio seconds), split into first calls (admission) and later calls (mid-program)."""
     scale = log.time_scale
     ok = [s for s in log.steps if s.ok]
     done = [p for p in log.programs if p.completed and p.finished_at is not None]
@@ -106,6 +116,17 @@ def compute(
     hits = truth.get("prefix_hits", 0) + cpu_hits
     latencies = [(s.finished_at - s.sent_at) / scale for s in ok]
     ttfts = [(s.first_token_at - s.sent_at) / scale for s in ok if s.first_token_at is not None]
+    ttft_first = [
+        (s.first_token_at - s.sent_at) / scale
+        for s in ok
+        if s.first_token_at is not None and s.step == 1
+    ]
+    ttft_later = [
+        (s.first_token_at - s.sent_at) / scale
+        for s in ok
+        if s.first_token_at is not None and s.step > 1
+    ]
+    split = wait_split(waits, scale)
     times = [(p.finished_at - p.arrived_at) / scale for p in done if p.finished_at is not None]
     # Whole blocks only: the engine caches full blocks and recomputes the last one.
     lost = [
@@ -136,15 +157,31 @@ def compute(
         "step_latency_p99_s": percentile(latencies, 99),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_first_p99_s": percentile(ttft_first, 99),
+        "ttft_later_p99_s": percentile(ttft_later, 99),
         "program_time_p50_s": percentile(times, 50),
         "program_time_p99_s": percentile(times, 99),
         "pause_time_total_s": None if pause_time_s is None else pause_time_s / scale,
         "pauses": pauses,
+        **split,
         "errors": sum(1 for s in log.steps if not s.ok),
         "duration_s": duration,
         "sim_max_lag_s": truth.get("max_lag_s", 0.0),
     }
     return figures
+
+
+def wait_split(waits: Sequence[tuple[int, float]] | None, scale: float) -> dict[str, Any]:
+    """The proxy's waits apart: a program's first call waits at admission (the program has
+    not started, nothing of it is held up), a later call waits mid-program (its history is
+    cached and its run is stretched by the wait). None when the target cannot say."""
+    out: dict[str, Any] = {}
+    for name, first in (("admission", True), ("mid", False)):
+        values = None if waits is None else [w / scale for step, w in waits if (step <= 1) == first]
+        out[f"wait_{name}_total_s"] = None if values is None else sum(values)
+        out[f"wait_{name}_p99_s"] = None if not values else percentile(values, 99)
+        out[f"wait_{name}_max_s"] = None if not values else max(values)
+    return out
 
 
 def fmt(key: str, value: Any) -> str:

@@ -158,7 +158,9 @@ async def run_target(
     records = drain(receive)
     pause = 0.0
     pauses = None
+    waits = None
     if router is not None:
+        waits = [(r.step, r.queue_s) for r in records if isinstance(r, StepRecord)]
         pause = sum(r.queue_s for r in records if isinstance(r, StepRecord))
         pauses = sum(
             1
@@ -170,7 +172,7 @@ async def run_target(
         target=target,
         concurrency=schedule.concurrency,
         kv_tokens=sim_config.resolved_num_gpu_blocks() * sim_config.resolved_block_size(),
-        figures=figures.compute(log, totals, pause_time_s=pause, pauses=pauses),
+        figures=figures.compute(log, totals, pause_time_s=pause, pauses=pauses, waits=waits),
         log=log,
         truth=totals,
         clock="virtual",

@@ -58,6 +58,10 @@ class ProgramView:
     in_flight: int = 0
     #: The backends that serve the program's model (None: any); it never moves off them.
     eligible: frozenset[str] | None = None
+    #: Calls begun so far: 0 while its first call waits at admission.
+    steps: int = 0
+    #: How long its last tool ran (None: unknown); predicts how long its current one runs.
+    tool_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,10 @@ class BackendView:
     last_resume_at: float | None = None
     #: KV tokens other instances' programs claim here (shared through Redis; 0 without it).
     others_tokens: int = 0
+    #: Whether holding programs back pays here (``costs.HoldLedger``; True until measured).
+    hold: bool = True
+    #: The measurements behind ``hold``, logged with the decisions that depend on it.
+    hold_inputs: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,8 +105,9 @@ def decay(idle_s: float, half_life_s: float) -> float:
     return math.pow(2.0, -max(0.0, idle_s) / half_life_s)
 
 
-def weight(p: ProgramView, cfg: PolicyConfig, now: float) -> int:
-    """The program's expected claim on KV tokens right now."""
+def weight(p: ProgramView, cfg: PolicyConfig, now: float, half_life_s: float | None = None) -> int:
+    """The program's expected claim on KV tokens right now (an idle program's claim halving
+    every ``half_life_s``, by default ``acting_half_life_s``)."""
     if p.status is ProgramStatus.REASONING or (
         p.status is ProgramStatus.ACTING and p.waiting_since is not None
     ):
@@ -106,7 +115,8 @@ def weight(p: ProgramView, cfg: PolicyConfig, now: float) -> int:
         return p.tokens + cfg.decode_buffer
     if p.status is ProgramStatus.ACTING:
         idle = 0.0 if p.acting_since is None else now - p.acting_since
-        return int(p.tokens * cfg.tool_coefficient * decay(idle, cfg.acting_half_life_s))
+        half_life = cfg.acting_half_life_s if half_life_s is None else half_life_s
+        return int(p.tokens * cfg.tool_coefficient * decay(idle, half_life))
     return 0
 
 
@@ -130,7 +140,11 @@ def limit(
 
 
 def used_tokens(
-    b: BackendView, programs: Iterable[ProgramView], cfg: PolicyConfig, now: float
+    b: BackendView,
+    programs: Iterable[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+    half_life_s: float | None = None,
 ) -> int:
     """Projected KV use of a backend; marked programs are credited (they leave at their next
     step end), and every program with a claim past the first shares the common prefix (an idle
@@ -140,11 +154,68 @@ def used_tokens(
     for p in programs:
         if p.backend != b.url or p.marked:
             continue
-        w = weight(p, cfg, now)
+        w = weight(p, cfg, now, half_life_s)
         if p.status is ProgramStatus.REASONING or (p.status is ProgramStatus.ACTING and w > 0):
             active += 1
             total += w
     return max(0, total - max(0, active - 1) * b.shared_prefix_tokens)
+
+
+def admission_used(
+    b: BackendView, programs: Iterable[ProgramView], cfg: PolicyConfig, now: float
+) -> int:
+    """KV use as a new program's first call sees it: idle programs' claims decay with the
+    longer ``admission_half_life_s``. A newcomer is let in only where the programs under way
+    can still make their next calls; otherwise it would be they who wait, mid-task, for it."""
+    half_life = max(cfg.acting_half_life_s, cfg.admission_half_life_s)
+    if cfg.acting_half_life_s <= 0:
+        half_life = 0.0  # no decay at all already counts every claim whole
+    return used_tokens(b, programs, cfg, now, half_life)
+
+
+def waited(p: ProgramView, now: float) -> float | None:
+    """Seconds the program's waiting request has waited (None: no request waits)."""
+    return None if p.waiting_since is None else now - p.waiting_since
+
+
+def priority(p: ProgramView, cfg: PolicyConfig, now: float) -> float:
+    """Resume order, highest first: the wait so far (aging: it grows with the wait, so nobody
+    is passed over for ever), plus ``mid_program_head_start_s`` for a program already under way.
+    New programs wait at their boundary rather than running programs mid-task: a paused
+    program holds nothing but its place, while a program cut off mid-task has its history
+    evicted and its whole run stretched."""
+    since = p.waiting_since if p.waiting_since is not None else p.paused_since
+    wait = 0.0 if since is None else now - since
+    return wait + (cfg.mid_program_head_start_s if p.steps > 0 else 0.0)
+
+
+def need(p: ProgramView, b: BackendView, used: int, cfg: PolicyConfig) -> int:
+    """Tokens ``p``'s next call adds to a backend already using ``used``."""
+    return p.tokens + cfg.decode_buffer - (b.shared_prefix_tokens if used else 0)
+
+
+def due(
+    b: BackendView, programs: Iterable[ProgramView], cfg: PolicyConfig, now: float
+) -> ProgramView | None:
+    """The waiting program of ``b`` room is made for: the first by priority of those that
+    waited half the bound (``max_wait_s``). Making room then, rather than resuming it over
+    capacity at the bound, keeps the bound without overloading the engine."""
+    heads = [
+        p
+        for p in programs
+        if p.status is ProgramStatus.PAUSED
+        and p.backend == b.url
+        and p.waiting_since is not None
+        and now - p.waiting_since >= cfg.max_wait_s / 2
+    ]
+    return max(heads, key=lambda p: priority(p, cfg, now)) if heads else None
+
+
+def tool_estimate(p: ProgramView, now: float) -> float:
+    """How long an acting program's current tool is expected to run in all: as long as its
+    last one, or at least as long as it has run already."""
+    idle = 0.0 if p.acting_since is None else now - p.acting_since
+    return max(idle, p.tool_s or 0.0)
 
 
 def _decision(
@@ -186,17 +257,22 @@ def admit(
 ) -> Decision:
     """May a new program's first call go out now on backend ``b``, or must it queue?"""
     cap = limit(b, cfg)
-    used = used_tokens(b, programs, cfg, now)
+    used = admission_used(b, programs, cfg, now)
     if cap is None:
         return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, used)
+    if not b.hold:
+        # Holding newcomers back costs them more than the recompute it saves (costs.py): the
+        # engine's own queue serves them as default would.
+        return _decision(
+            Action.ADMIT, p, "hold_does_not_pay", b, cfg, now, used, detail=dict(b.hold_inputs)
+        )
     waiting = [q for q in programs if q.waiting_since is not None and q.program_id != p.program_id]
     if waiting:
         # Fairness: newcomers do not overtake programs already waiting for capacity.
         return _decision(
             Action.QUEUE, p, "programs_waiting", b, cfg, now, used, queue_position=len(waiting)
         )
-    need = p.tokens + cfg.decode_buffer - (b.shared_prefix_tokens if used else 0)
-    if used + need > cap:
+    if used + need(p, b, used, cfg) > cap:
         return _decision(Action.QUEUE, p, "capacity_full", b, cfg, now, used, queue_position=0)
     return _decision(Action.ADMIT, p, "fits", b, cfg, now, used)
 
@@ -221,8 +297,19 @@ def on_return(
         return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, used, cap=cap)
     if p.protected_until > now:
         return _decision(Action.ADMIT, p, "protected", b, cfg, now, used, cap=cap)
-    need = p.tokens + cfg.decode_buffer - (b.shared_prefix_tokens if used else 0)
-    if used + need <= cap:
+    if not b.hold:
+        return _decision(
+            Action.ADMIT,
+            p,
+            "hold_does_not_pay",
+            b,
+            cfg,
+            now,
+            used,
+            cap=cap,
+            detail=dict(b.hold_inputs),
+        )
+    if used + need(p, b, used, cfg) <= cap:
         return _decision(Action.ADMIT, p, "fits", b, cfg, now, used, cap=cap)
     return _decision(Action.PAUSE, p, "no_room_on_return", b, cfg, now, used, cap=cap)
 
@@ -230,38 +317,56 @@ def on_return(
 def enforce(
     b: BackendView, programs: Sequence[ProgramView], cfg: PolicyConfig, now: float
 ) -> list[Decision]:
-    """Pause or mark programs on ``b`` until its projected use fits its capacity."""
+    """Pause or mark programs on ``b`` until its projected use fits its capacity, and, for a
+    waiting program past half its bound (``due``), until that program fits too."""
     cap = limit(b, cfg, fill=1.0, others=False)
-    if cap is None or not b.healthy:
+    if cap is None or not b.healthy or not b.hold:
         return []
     if b.last_pause_at is not None and now - b.last_pause_at < cfg.pause_cooldown_s:
         return []
     mine = [p for p in programs if p.backend == b.url]
     used = used_tokens(b, mine, cfg, now)
-    if used <= cap:
+    room = cap
+    head = due(b, mine, cfg, now)
+    if head is not None:
+        target = limit(b, cfg)
+        assert target is not None
+        room = min(cap, target - need(head, b, used, cfg))
+    if used <= room:
         return []
+    extra: dict[str, Any] = {}
+    rule = "over_capacity"
+    if used <= cap and head is not None:
+        # Room for a call about to reach its bound: a time slice taken from the others.
+        rule = "make_room"
+        head_wait = round(now - head.waiting_since, 6) if head.waiting_since is not None else 0.0
+        extra = {"detail": {"for": head.program_id, "waited_s": head_wait}}
     decisions: list[Decision] = []
     movable = [p for p in mine if not p.marked and p.protected_until <= now]
+    # The program whose tool is expected to run the longest goes first: its cache is the
+    # coldest, its return the least imminent, and its pause the most likely to end before it
+    # wanted to call again (a pause that costs nothing).
     acting = sorted(
         (
             p
             for p in movable
             if p.status is ProgramStatus.ACTING and p.in_flight == 0 and p.waiting_since is None
         ),
-        key=lambda p: (p.acting_since or now, -p.tokens),
+        key=lambda p: (-tool_estimate(p, now), -p.tokens),
     )
     for p in acting:
         credit = weight(p, cfg, now)
         if credit <= 0:
             continue
-        decisions.append(_decision(Action.PAUSE, p, "over_capacity", b, cfg, now, used, cap=cap))
+        decisions.append(_decision(Action.PAUSE, p, rule, b, cfg, now, used, cap=room, **extra))
         used -= credit
-        if used <= cap:
+        if used <= room:
             return decisions
     # Marking is for what pausing idle programs cannot fix: calls in flight that alone exceed
     # the cache, which the engine would answer with preemptions. An overflow made of idle
     # programs' decayed claims is left to them: marking a busy program for it costs that
-    # program a long wait and saves nobody's cache.
+    # program a wait and saves nobody's cache. Nor are running calls marked to make room for a
+    # waiting one: such time slices evicted a running program's cache at every turn.
     busy = [
         p
         for p in mine
@@ -288,8 +393,7 @@ def _fits(p: ProgramView, b: BackendView, used: int, cfg: PolicyConfig) -> bool:
     cap = limit(b, cfg)
     if cap is None:
         return True
-    need = p.tokens + cfg.decode_buffer - (b.shared_prefix_tokens if used else 0)
-    return used + need <= cap
+    return used + need(p, b, used, cfg) <= cap
 
 
 def resume(
@@ -300,10 +404,12 @@ def resume(
 ) -> list[Decision]:
     """Which paused programs go back, and where.
 
-    Waiting programs first, the longest wait first. The head of the queue that has waited half
-    of ``max_wait_s`` reserves the next freed capacity (no one behind it may pass); at
-    ``max_wait_s`` it is resumed regardless of capacity. Paused programs whose tool still runs
-    are resumed only into room left over.
+    Waiting programs first, by ``priority`` (the longest wait first, programs under way ahead
+    of new ones). A waiting program that has waited half of ``max_wait_s`` and does not fit
+    reserves the next freed capacity (no one behind it may pass); at ``max_wait_s`` it is
+    resumed regardless of capacity. On a backend where holding programs back does not pay
+    (``BackendView.hold``), waiting programs go back at once. Paused programs whose tool still
+    runs are resumed only into room left over.
     """
     healthy = [b for b in backends if b.healthy]
     if not healthy:
@@ -315,7 +421,8 @@ def resume(
     }
     paused = [p for p in programs if p.status is ProgramStatus.PAUSED]
     waiting = sorted(
-        (p for p in paused if p.waiting_since is not None), key=lambda p: p.waiting_since or 0.0
+        (p for p in paused if p.waiting_since is not None),
+        key=lambda p: (-priority(p, cfg, now), p.waiting_since or 0.0),
     )
     idle = sorted(
         (p for p in paused if p.waiting_since is None), key=lambda p: p.paused_since or 0.0
@@ -324,6 +431,12 @@ def resume(
     # come (one pass over the programs per backend, not one per candidate: this runs on every
     # step end, with up to thousands of programs).
     used_by = {b.url: used_tokens(b, programs, cfg, now) for b in healthy}
+    # First calls fit against the admission view (admission_used), later calls the usual one.
+    newcomers = any(p.steps == 0 for p in waiting)
+    admit_by = {
+        b.url: admission_used(b, programs, cfg, now) if newcomers else used_by[b.url]
+        for b in healthy
+    }
     decisions: list[Decision] = []
     blocked = False
     for position, p in enumerate([*waiting, *idle]):
@@ -332,6 +445,24 @@ def resume(
         if not group:
             continue  # no healthy backend serves its model: it waits for one
         own = next((b for b in group if b.url == p.backend), None)
+        if p.waiting_since is not None and own is not None and not own.hold:
+            decisions.append(
+                _decision(
+                    Action.RESUME,
+                    p,
+                    "hold_does_not_pay",
+                    own,
+                    cfg,
+                    now,
+                    used_by[own.url],
+                    target_backend=own.url,
+                    queue_position=position,
+                    detail=dict(own.hold_inputs),
+                )
+            )
+            used_by[own.url] += p.tokens + cfg.decode_buffer
+            admit_by[own.url] += p.tokens + cfg.decode_buffer
+            continue
         if p.waiting_since is not None and waited >= cfg.max_wait_s:
             target = own or min(group, key=lambda b: used_by[b.url])
             used = used_by[target.url]
@@ -349,6 +480,7 @@ def resume(
                 )
             )
             used_by[target.url] += p.tokens + cfg.decode_buffer
+            admit_by[target.url] += p.tokens + cfg.decode_buffer
             continue
         if blocked:
             continue
@@ -361,7 +493,7 @@ def resume(
             if b.url not in ready:
                 continue
             used = used_by[b.url]
-            if not _fits(p, b, used, cfg):
+            if not _fits(p, b, admit_by[b.url] if p.steps == 0 else used, cfg):
                 continue
             if b is own or p.backend is None:
                 action, rule = Action.RESUME, "capacity_free"
@@ -383,11 +515,41 @@ def resume(
                 )
             )
             used_by[b.url] += p.tokens + cfg.decode_buffer
+            admit_by[b.url] += p.tokens + cfg.decode_buffer
             placed = True
             break
         if not placed and p.waiting_since is not None and waited >= cfg.max_wait_s / 2:
             blocked = True  # aging: the head reserves the next free capacity
     return decisions
+
+
+def force_resume(
+    p: ProgramView,
+    backends: Sequence[BackendView],
+    programs: Sequence[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+) -> Decision | None:
+    """A waiting program at its bound (``max_wait_s``) goes back whether it fits or not: on its
+    own backend while that is healthy, else on the least used healthy one of its group (None:
+    none is healthy, it waits for one). The scheduler calls this when the request's deadline
+    passes, so no call waits past the bound whatever the monitor's rhythm."""
+    group = [b for b in backends if b.healthy and (p.eligible is None or b.url in p.eligible)]
+    if not group:
+        return None
+    used = {b.url: used_tokens(b, programs, cfg, now) for b in group}
+    own = next((b for b in group if b.url == p.backend), None)
+    target = own or min(group, key=lambda b: used[b.url])
+    return _decision(
+        Action.FORCE_RESUME,
+        p,
+        "max_wait",
+        target,
+        cfg,
+        now,
+        used[target.url],
+        target_backend=target.url,
+    )
 
 
 def expected_wait(

@@ -21,9 +21,11 @@ from ..audit import AuditLog, DecisionRecord
 from ..backends import BackendNode, BackendPool, Route
 from ..errors import ModelNotFound, NoBackendAvailable, ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
+from .costs import horizon_s
 from .learners import PromptSizer, program_estimate
 from .policies import Policy, Views
 from .policy import Action, Decision, PolicyConfig, ProgramView
+from .policy import force_resume as policy_force_resume
 from .views import BackendSchedule, ViewSource
 from .waiters import Waiters
 
@@ -43,6 +45,11 @@ class StepLease:
     tool_s: float | None
     context_chars: int
     closed: bool = False
+    #: For the hold ledger (costs.py): the program's history the call carries, the calls on or
+    #: held for its backend when it went out, and whether tr was holding there then.
+    reuse_tokens: int = 0
+    busy: int = 0
+    holding: bool = True
 
 
 class Affinity(Protocol):
@@ -150,6 +157,7 @@ class Scheduler:
         if program is None:
             program = self._admit(program_id, route, arrived_at, context_chars, source, known)
         else:
+            self._observe_return(program, arrived_at)
             self._gate_return(program, arrived_at, context_chars)
         # A loop, not an if: between its resume and this task running again, a program could be
         # paused anew by another task's rebalance (the policy avoids it, this makes it certain).
@@ -160,6 +168,9 @@ class Scheduler:
         if self.affinity is not None:
             self.affinity.placed(program_id, node.url)
         now = self._now()
+        reuse = program.total_tokens if program.step_count else 0
+        busy = node.in_flight + self._held_on(node.url)
+        holding = self.source.holding(self.schedule_of(node.url))[0]
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
         node.in_flight += 1
         step = program.step_count
@@ -172,9 +183,29 @@ class Scheduler:
             sent_at=now,
             tool_s=program.last_tool_s,
             context_chars=context_chars,
+            reuse_tokens=reuse,
+            busy=busy,
+            holding=holding,
         )
         self.rebalance(now, backends=[node.url])
         return lease
+
+    def _held_on(self, url: str) -> int:
+        """Calls held back for a backend now: without holding they would be in flight there."""
+        held = 0
+        for program_id in self._waiters.programs():
+            program = self.registry.find(program_id)
+            held += program is not None and program.backend == url
+        return held
+
+    def _observe_return(self, program: Program, arrived_at: float) -> None:
+        """Teach the backend's ledger whether the program came back while tr still counts its
+        cache (costs.py)."""
+        if program.acting_since is None or program.in_flight or program.backend is None:
+            return
+        schedule = self.schedule_of(program.backend)
+        returned = arrived_at - program.acting_since <= horizon_s(self.config)
+        schedule.hold = schedule.hold.observe_return(returned)
 
     def _gate_return(self, program: Program, arrived_at: float, context_chars: int) -> None:
         """Pause a returning program now if the policy sees its call overflow its backend."""
@@ -258,8 +289,16 @@ class Scheduler:
             self.registry.set_waiting(program, arrived_at)
         waiter = self._waiters.add(program.program_id)
         self.rebalance(self._now())
+        since = program.waiting_since if program.waiting_since is not None else arrived_at
         try:
-            await waiter.wait()
+            # The bound is kept by the waiting request itself, at its own deadline, not by
+            # the resume monitor's next tick.
+            with trio.move_on_at(since + self.config.max_wait_s):
+                await waiter.wait()
+            if not waiter.woken:
+                self._force_resume(program)
+                if not waiter.woken:
+                    await waiter.wait()  # no healthy backend serves it: it waits for one
         except BaseException:
             if self._waiters.drop(program.program_id, waiter):
                 self.registry.set_waiting(program, None)
@@ -276,7 +315,47 @@ class Scheduler:
                 )
             raise
 
-    def close(self, lease: StepLease, usage: StepUsage, *, reason: str) -> bool:
+    def _force_resume(self, program: Program) -> None:
+        """The program's waiting request reached the bound: it goes back now (or, with no
+        healthy backend for it, keeps waiting for one)."""
+        if program.status is not ProgramStatus.PAUSED:
+            return
+        now = self._now()
+        views = self.views()
+        view = self.source.program_view(program)
+        decision = policy_force_resume(view, views.backends, views.programs, self.config, now)
+        if decision is not None:
+            self._apply(decision, now)
+
+    def _observe_costs(
+        self, lease: StepLease, usage: StepUsage, first_token_at: float | None
+    ) -> None:
+        """What the call teaches the backend's hold ledger: the engine's prefill speed, and the
+        call's cost (its wait, and the recompute of its own history it found evicted)."""
+        schedule = self.schedule_of(lease.node.url)
+        ledger = schedule.hold
+        if first_token_at is not None and usage.prompt_tokens:
+            ledger = ledger.observe_prefill(
+                usage.prompt_tokens - (usage.cached_tokens or 0), first_token_at - lease.sent_at
+            )
+        if usage.cached_tokens is not None or not lease.reuse_tokens:
+            ledger = ledger.observe_call(
+                waited_s=lease.sent_at - lease.arrived_at,
+                in_flight=lease.busy,
+                reuse_tokens=lease.reuse_tokens,
+                missed_tokens=max(0, lease.reuse_tokens - (usage.cached_tokens or 0)),
+                holding=lease.holding,
+            )
+        schedule.hold = ledger
+
+    def close(
+        self,
+        lease: StepLease,
+        usage: StepUsage,
+        *,
+        reason: str,
+        first_token_at: float | None = None,
+    ) -> bool:
         """End the lease (idempotent: False if it was already ended): the program's state, what
         the call teaches the learners, and the policy's reaction."""
         if lease.closed:
@@ -285,6 +364,7 @@ class Scheduler:
         now = self._now()
         lease.node.in_flight -= 1
         program = lease.program
+        self._observe_costs(lease, usage, first_token_at)
         tracked = program.program_id in self.registry
         if tracked:
             self.registry.end_step(program, now, usage, reason=reason)
@@ -312,7 +392,16 @@ class Scheduler:
         self.rebalance(now)
         return True
 
+    def _observe_gone(self, program: Program) -> None:
+        """A program that ends between its calls never came back."""
+        if program.acting_since is not None and not program.in_flight and program.backend:
+            schedule = self.schedule_of(program.backend)
+            schedule.hold = schedule.hold.observe_return(False)
+
     def release(self, program_id: str) -> Program:
+        found = self.registry.find(program_id)
+        if found is not None:
+            self._observe_gone(found)
         program = self.registry.release(program_id, self._now())
         self._waiters.wake(
             program_id,
@@ -372,6 +461,7 @@ class Scheduler:
             self._resume_times.append(now)
             self._waiters.wake(program.program_id)
         elif action is Action.RETIRE:
+            self._observe_gone(program)
             self.registry.release(program.program_id, now, reason="retired: idle lease expired")
         self._log(decision, now)
 

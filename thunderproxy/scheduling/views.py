@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..backends import BackendNode, BackendPool, Route
 from ..errors import ModelNotFound, NoBackendAvailable
 from ..programs import Program, ProgramRegistry
+from .costs import HoldLedger
 from .learners import CapacityFactor, SharedPrefix
 from .placement import Candidate, choose_backend
 from .policies import Views
@@ -25,6 +26,8 @@ class BackendSchedule:
     last_resume_at: float | None = None
     #: The last capacity seen, kept when a poll fails so scheduling does not stop.
     capacity_tokens: int | None = None
+    #: Whether holding programs back pays here (costs.py).
+    hold: HoldLedger = HoldLedger()
 
 
 class ViewSource:
@@ -62,6 +65,7 @@ class ViewSource:
             capacity = node.capacity_tokens
             if capacity is not None:
                 schedule.capacity_tokens = capacity
+            hold, inputs = self.holding(schedule)
             views.append(
                 BackendView(
                     url=node.url,
@@ -72,9 +76,19 @@ class ViewSource:
                     last_pause_at=schedule.last_pause_at,
                     last_resume_at=schedule.last_resume_at,
                     others_tokens=0 if self.others is None else self.others(node.url),
+                    hold=hold,
+                    hold_inputs=inputs,
                 )
             )
         return views
+
+    def holding(self, schedule: BackendSchedule) -> tuple[bool, dict[str, float]]:
+        """Whether tr holds programs back on a backend (the ``hold`` setting, or in ``auto``
+        what its ledger measured), and the measurements behind it."""
+        mode = self.config.hold
+        if mode == "auto":
+            return schedule.hold.pays, schedule.hold.inputs()
+        return mode == "always", {}
 
     def used_by_backend(self, now: float) -> dict[str, int]:
         """The KV tokens this instance's programs claim on each backend at ``now``, as tr's
@@ -108,6 +122,8 @@ class ViewSource:
             last_activity=p.last_activity,
             in_flight=p.in_flight,
             eligible=self.eligible(p.model),
+            steps=p.step_count,
+            tool_s=p.last_tool_s,
         )
 
     def views(self, now: float) -> Views:

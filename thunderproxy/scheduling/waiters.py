@@ -44,6 +44,10 @@ class Waiters:
         self._by_program.pop(program_id, None)
         return True
 
+    def programs(self) -> list[str]:
+        """The programs a request of which waits now."""
+        return list(self._by_program)
+
     def wake(self, program_id: str, error: Exception | None = None) -> None:
         for waiter in self._by_program.pop(program_id, []):
             waiter.wake(error)
