@@ -26,6 +26,7 @@ from typing import Any
 
 from ..config import PolicyConfig as PolicyConfig
 from ..programs import ProgramStatus
+from .tiers import assumed_tier
 
 
 class Action(StrEnum):
@@ -73,6 +74,8 @@ class BackendView:
     last_resume_at: float | None = None
     #: KV tokens other instances' programs claim here (shared through Redis; 0 without it).
     others_tokens: int = 0
+    #: With a CPU KV tier in the capacity: the GPU's own tokens (tiers.py; None: GPU only).
+    gpu_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,10 @@ def used_tokens(
     return max(0, total - max(0, active - 1) * b.shared_prefix_tokens)
 
 
+#: Rules whose ``used`` counts the program they move.
+_ENFORCED = frozenset({"over_capacity", "calls_exceed_capacity"})
+
+
 def _decision(
     action: Action,
     p: ProgramView,
@@ -163,6 +170,11 @@ def _decision(
     the limit for programs not running yet)."""
     idle = None if p.acting_since is None else round(now - p.acting_since, 6)
     since = p.waiting_since if p.waiting_since is not None else p.paused_since
+    # The claims the rule weighed: ``used`` already holds the program when it was enforced on.
+    claims = used if used is None or rule in _ENFORCED else used + p.tokens
+    tier = None if b is None else assumed_tier(b.gpu_tokens, b.capacity_factor, claims)
+    if b is not None and tier is not None:
+        extra["detail"] = {**extra.get("detail", {}), "tier": tier, "gpu_tokens": b.gpu_tokens}
     return Decision(
         action=action,
         program_id=p.program_id,

@@ -337,6 +337,9 @@ class Scheduler:
             if snapshot is not None and snapshot.preemptions_total is not None:
                 schedule = self.schedule_of(node.url)
                 schedule.capacity = schedule.capacity.observe(snapshot.preemptions_total)
+            if node.last_poll_at is not None:
+                schedule = self.schedule_of(node.url)
+                schedule.tiers = schedule.tiers.observe(snapshot, node.last_poll_at)
         for decision in self.policy.retire(self.views(), now):
             self._apply(decision, now)
         self.rebalance(now)

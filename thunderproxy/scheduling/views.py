@@ -13,6 +13,8 @@ from .learners import CapacityFactor, SharedPrefix
 from .placement import Candidate, choose_backend
 from .policies import Views
 from .policy import BackendView, PolicyConfig, ProgramView, decay, used_tokens
+from .tiers import Tiers
+from .tiers import gate as tier_gate
 
 
 @dataclass
@@ -25,6 +27,8 @@ class BackendSchedule:
     last_resume_at: float | None = None
     #: The last capacity seen, kept when a poll fails so scheduling does not stop.
     capacity_tokens: int | None = None
+    #: The backend's KV tiers as its polls showed them (tiers.py).
+    tiers: Tiers = Tiers()
 
 
 class ViewSource:
@@ -57,21 +61,33 @@ class ViewSource:
 
     def backend_views(self) -> list[BackendView]:
         views = []
+        loads = self.registry.load_by_backend()
         for node in self.pool:
             schedule = self.schedule_of(node.url)
             capacity = node.capacity_tokens
             if capacity is not None:
                 schedule.capacity_tokens = capacity
+            load = loads.get(node.url)
+            gate = tier_gate(
+                schedule.capacity_tokens,
+                schedule.tiers,
+                schedule.capacity.factor,
+                self.config,
+                idle_tokens=0
+                if load is None
+                else load.acting_tokens - load.acting * schedule.shared_prefix.tokens,
+            )
             views.append(
                 BackendView(
                     url=node.url,
                     healthy=node.healthy,
-                    capacity_tokens=schedule.capacity_tokens,
+                    capacity_tokens=gate.capacity_tokens,
                     shared_prefix_tokens=schedule.shared_prefix.tokens,
                     capacity_factor=schedule.capacity.factor,
                     last_pause_at=schedule.last_pause_at,
                     last_resume_at=schedule.last_resume_at,
                     others_tokens=0 if self.others is None else self.others(node.url),
+                    gpu_tokens=schedule.capacity_tokens if gate.spill_tokens else None,
                 )
             )
         return views
