@@ -97,7 +97,9 @@ def test_a_slow_link_bounds_the_tier_by_what_it_reloads_in_the_window() -> None:
 
 def test_a_busy_link_shrinks_the_tier_to_nothing() -> None:
     tiers = Tiers().observe(tiered(100_000, 400_000), at=1.0)
-    assert spill_tokens(replace(tiers, load_share=0.25), CFG) == 200_000
+    assert spill_tokens(replace(tiers, load_share=0.1), CFG) == 400_000
+    assert spill_tokens(replace(tiers, load_share=0.25), CFG) == 400_000
+    assert spill_tokens(replace(tiers, load_share=0.375), CFG) == 200_000
     assert spill_tokens(replace(tiers, load_share=0.5), CFG) == 0
     assert gate(100_000, replace(tiers, load_share=0.6), 1.0, CFG).tier == GPU
     assert spill_tokens(tiers, replace(CFG, tier_max_load_share=0.0)) == 0

@@ -18,8 +18,8 @@ CPU->GPU copies keep it (the growth of their seconds over the poll's interval).
   busy: the GPU's capacity, as without a tier (idle programs are paused to keep their KV).
 - ``gpu+cpu``: idle programs may live in the tier. The capacity grows by the tier's tokens,
   bounded by what the link can bring back within ``tier_reload_window_s`` at the measured
-  bandwidth, and shrunk as the loads' share of the link nears ``tier_max_load_share`` (past it
-  reloads queue behind each other and a pause is cheaper again).
+  bandwidth, and shrunk from half of ``tier_max_load_share`` of the link's time taken by loads
+  to nothing at it (past it reloads queue behind each other and a pause is cheaper again).
 
 Only the GPU part shrinks with preemptions (the capacity factor says the GPU model was
 optimistic; with a tier, a preemption costs a reload, not the tier's room).
@@ -108,14 +108,17 @@ class Gate:
 
 def spill_tokens(tiers: Tiers, cfg: PolicyConfig) -> int:
     """The CPU tier's tokens tr may count on: the tier, bounded by what the link reloads in
-    ``tier_reload_window_s``, scaled down as its loads' share nears the bound (0 past it)."""
+    ``tier_reload_window_s``, scaled down as its loads' share nears the bound (0 at it)."""
     if not tiers.cpu_tokens or cfg.tier_max_load_share <= 0 or tiers.bandwidth is None:
         return 0
     room = float(tiers.cpu_tokens)
     per_token = tiers.reload_s_per_token
     if per_token is not None:
         room = min(room, cfg.tier_reload_window_s / per_token)
-    headroom = 1.0 - tiers.load_share / cfg.tier_max_load_share
+    # Whole while the loads keep the link busy less than half the bound, none past the bound:
+    # a link busy a tenth of the time reloads as fast as an idle one.
+    bound = cfg.tier_max_load_share
+    headroom = (bound - tiers.load_share) / (bound / 2)
     return max(0, int(room * min(1.0, headroom)))
 
 
