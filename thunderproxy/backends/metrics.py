@@ -104,6 +104,13 @@ def _int_label(labels: Labels, name: str) -> int | None:
         return None
 
 
+def _float_label(labels: Labels, name: str) -> float | None:
+    try:
+        return float(labels.get(name, ""))
+    except ValueError:
+        return None
+
+
 def _vllm(metrics: dict[str, list[Sample]]) -> EngineSnapshot:
     capacity = 0
     blocks = 0
@@ -121,10 +128,16 @@ def _vllm(metrics: dict[str, list[Sample]]) -> EngineSnapshot:
             continue
         per_engine_capacity[sample.labels.get("engine", str(len(per_engine_capacity)))] = tokens
         capacity += tokens
+        engine_bytes = _int_label(sample.labels, "kv_cache_memory_bytes") or 0
+        memory_bytes += engine_bytes
         cpu_blocks = _int_label(sample.labels, "num_cpu_blocks")
+        offload_gib = _float_label(sample.labels, "kv_offloading_size")
         if cpu_blocks and size:
             cpu_tokens += cpu_blocks * size
-        memory_bytes += _int_label(sample.labels, "kv_cache_memory_bytes") or 0
+        elif offload_gib and engine_bytes:
+            # Real vLLM names the tier by its size in GiB (--kv-offloading-size) only: in tokens
+            # at the GPU pool's bytes per token.
+            cpu_tokens += int(offload_gib * 2**30 / (engine_bytes / tokens))
         blocks += n_blocks or 0
         block_size = size if size is not None else block_size
 
