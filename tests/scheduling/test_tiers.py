@@ -77,11 +77,6 @@ def test_a_measured_tier_extends_the_capacity_by_its_room() -> None:
     tiers = Tiers().observe(tiered(100_000, 400_000), at=1.0)
     g = gate(100_000, tiers, 1.0, CFG)
     assert (g.tier, g.capacity_tokens, g.spill_tokens) == (GPU_CPU, 500_000, 400_000)
-    # Idle programs' KV lives in the tier: it comes off the room.
-    assert gate(100_000, tiers, 1.0, CFG, idle_tokens=150_000).capacity_tokens == 350_000
-    # Once they fill it, the gate is the GPU's and tr pauses as without a tier.
-    full = gate(100_000, tiers, 1.0, CFG, idle_tokens=400_000)
-    assert (full.tier, full.capacity_tokens) == (GPU, 100_000)
     # Preemptions shrink the GPU's part only (limit() multiplies it all by the factor).
     shrunk = gate(100_000, tiers, 0.5, CFG)
     assert shrunk.capacity_tokens is not None

@@ -122,22 +122,11 @@ def spill_tokens(tiers: Tiers, cfg: PolicyConfig) -> int:
     return max(0, int(room * min(1.0, headroom)))
 
 
-def gate(
-    gpu_tokens: int | None,
-    tiers: Tiers,
-    capacity_factor: float,
-    cfg: PolicyConfig,
-    *,
-    idle_tokens: int = 0,
-) -> Gate:
-    """The capacity of a backend whose GPU holds ``gpu_tokens``. ``idle_tokens`` is the KV of
-    its idle (acting) programs in full, less the prefix they share: tr's model lets their
-    claims on the GPU decay as the engine evicts them, and it is the tier that holds them
-    then, so they come off the tier's room. When the idle programs fill the tier, the gate
-    is the GPU's and tr pauses the longest idle, as without a tier."""
+def gate(gpu_tokens: int | None, tiers: Tiers, capacity_factor: float, cfg: PolicyConfig) -> Gate:
+    """The capacity of a backend whose GPU holds ``gpu_tokens`` (see the module's rules)."""
     if gpu_tokens is None:
         return Gate(GPU, None)
-    spill = spill_tokens(tiers, cfg) - max(0, idle_tokens)
+    spill = spill_tokens(tiers, cfg)
     if spill <= 0:
         return Gate(GPU, gpu_tokens)
     # limit() multiplies the whole capacity by the factor; the tier's part is not the GPU's

@@ -61,21 +61,13 @@ class ViewSource:
 
     def backend_views(self) -> list[BackendView]:
         views = []
-        loads = self.registry.load_by_backend()
         for node in self.pool:
             schedule = self.schedule_of(node.url)
             capacity = node.capacity_tokens
             if capacity is not None:
                 schedule.capacity_tokens = capacity
-            load = loads.get(node.url)
             gate = tier_gate(
-                schedule.capacity_tokens,
-                schedule.tiers,
-                schedule.capacity.factor,
-                self.config,
-                idle_tokens=0
-                if load is None
-                else load.acting_tokens - load.acting * schedule.shared_prefix.tokens,
+                schedule.capacity_tokens, schedule.tiers, schedule.capacity.factor, self.config
             )
             views.append(
                 BackendView(
