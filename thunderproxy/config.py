@@ -240,6 +240,20 @@ class PolicyConfig:
         "tr: an acting program whose next call would overflow its backend waits for room "
         "instead of pushing the engine into preemptions.",
     )
+    #: With a CPU KV tier (vLLM's offloading connector), idle programs may live there.
+    tier_max_load_share: float = setting(
+        0.5,
+        "tr: with a CPU KV tier, idle programs may live in it while its reloads keep the "
+        "CPU->GPU link busy less than this share of the time (0: schedule on the GPU alone).",
+        check=lambda v: None if 0 <= v <= 1 else "must be in [0, 1]",
+    )
+    tier_reload_window_s: float = setting(
+        60.0 * SECONDS,
+        "tr: the CPU tier counts as capacity for at most what its link reloads in this many "
+        "seconds at the measured bandwidth.",
+        flag="--tier-reload-window",
+        check=_positive,
+    )
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,35 @@ def test_unknown_or_garbage_text() -> None:
     samples = parse_prometheus('x{a="q\\"uote"} 1\nbroken line here\ny 2 1700000000\n')
     assert samples["x"][0].labels == {"a": 'q"uote'}
     assert samples["y"][0].value == 2
+
+
+OFFLOADING = """\
+vllm:cache_config_info{block_size="16",engine="0",kv_cache_size_tokens="100000",\
+kv_cache_memory_bytes="37683200000",kv_offloading_backend="native",kv_offloading_size="70.0",\
+num_cpu_blocks="None",num_gpu_blocks="6250"} 1.0
+vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type="CPU_to_GPU"} 5.0e+09
+vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type="GPU_to_CPU"} 2.0e+10
+vllm:kv_offload_total_time_total{engine="0",model_name="m",transfer_type="CPU_to_GPU"} 0.2
+vllm:kv_offload_total_time_total{engine="0",model_name="m",transfer_type="GPU_to_CPU"} 0.8
+"""
+
+
+def test_the_offloading_connector_tier_and_its_copies_are_read() -> None:
+    snap = interpret(OFFLOADING)
+    assert snap is not None
+    assert snap.kv_bytes_per_token == 376_832
+    # 70 GiB at 376,832 bytes a token: the tier named by its size only.
+    assert snap.cpu_capacity_tokens == int(70 * 2**30 / 376_832)
+    assert dict(snap.offload_bytes) == {"CPU_to_GPU": 5e9, "GPU_to_CPU": 2e10}
+    assert dict(snap.offload_seconds) == {"CPU_to_GPU": 0.2, "GPU_to_CPU": 0.8}
+    # Blocks, where the tier gives them, win over the size.
+    blocks = interpret(OFFLOADING.replace('num_cpu_blocks="None"', 'num_cpu_blocks="1000"'))
+    assert blocks is not None
+    assert blocks.cpu_capacity_tokens == 16_000
+
+
+def test_no_tier_reads_as_none() -> None:
+    snap = interpret(CURRENT)
+    assert snap is not None
+    assert snap.cpu_capacity_tokens is None
+    assert snap.offload_bytes == ()

@@ -7,6 +7,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 from trio.testing import MockClock
 
+from thunderproxy.backends.metrics import interpret
+from thunderproxy.scheduling.tiers import Tiers
 from thunderproxy.sim import Engine, SimConfig, StepOutput
 from thunderproxy.sim.blocks import BlockPool, block_hashes
 from thunderproxy.sim.exposition import render
@@ -210,3 +212,21 @@ async def test_sglang_reports_tier_hits_as_host_cache(
     cached = parse_metrics(render(engine))["sglang:cached_tokens_total"]
     assert cached.value(cache_source="host") == 576
     assert cached.value(cache_source="device") == 0
+
+
+async def test_the_proxy_reads_the_tier_and_its_link_from_the_metrics(
+    autojump_clock: MockClock, start_engine: Start
+) -> None:
+    # What tr learns (scheduling/tiers.py) from what the simulator exports as vLLM does.
+    engine, _ = await first_token_time(SimConfig(**OFFLOAD), start_engine)  # type: ignore[arg-type]
+    snap = interpret(render(engine))
+    assert snap is not None
+    assert snap.cpu_capacity_tokens == 400 * 32
+    assert snap.kv_bytes_per_token == 131_072
+    assert dict(snap.offload_bytes)["CPU_to_GPU"] == 18 * 32 * 131_072
+    tiers = Tiers().observe(snap, at=1.0)
+    assert tiers.cpu_tokens == 12_800
+    # Bytes over seconds of every copy, the 20 µs per transfer included: a little under 25 GB/s.
+    assert tiers.bandwidth is not None
+    assert 20e9 < tiers.bandwidth < 25e9
+    assert tiers.reload_s_per_token == pytest.approx(131_072 / tiers.bandwidth)

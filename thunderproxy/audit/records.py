@@ -238,6 +238,10 @@ class BackendSample:
     programs: int
     active_tokens: int
     error: str | None = None
+    #: The CPU KV tier and what its copies brought back to the GPU (migration 011).
+    cpu_capacity_tokens: int | None = None
+    offload_load_bytes_total: float | None = None
+    offload_load_seconds_total: float | None = None
 
     def row(self, to_unix: ToUnix) -> dict[str, Any]:
         row = _stamped(self, to_unix)

@@ -65,6 +65,15 @@ class EngineSnapshot:
     preemptions_total: float | None
     #: SGLang only: tokens of reusable prefix cache that could be evicted.
     evictable_tokens: float | None = None
+    #: The CPU KV tier of vLLM's offloading connector (``num_cpu_blocks`` x ``block_size``);
+    #: None without one.
+    cpu_capacity_tokens: int | None = None
+    #: KV bytes of one token (``kv_cache_memory_bytes`` / ``kv_cache_size_tokens``).
+    kv_bytes_per_token: float | None = None
+    #: ``vllm:kv_offload_total_{bytes,time}_total`` by ``transfer_type`` (``CPU_to_GPU``,
+    #: ``GPU_to_CPU``): what the connector moved and the seconds its copies took.
+    offload_bytes: tuple[tuple[str, float], ...] = ()
+    offload_seconds: tuple[tuple[str, float], ...] = ()
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -95,9 +104,18 @@ def _int_label(labels: Labels, name: str) -> int | None:
         return None
 
 
+def _float_label(labels: Labels, name: str) -> float | None:
+    try:
+        return float(labels.get(name, ""))
+    except ValueError:
+        return None
+
+
 def _vllm(metrics: dict[str, list[Sample]]) -> EngineSnapshot:
     capacity = 0
     blocks = 0
+    cpu_tokens = 0
+    memory_bytes = 0
     block_size: int | None = None
     per_engine_capacity: dict[str, int] = {}
     for sample in metrics.get("vllm:cache_config_info", []):
@@ -110,6 +128,16 @@ def _vllm(metrics: dict[str, list[Sample]]) -> EngineSnapshot:
             continue
         per_engine_capacity[sample.labels.get("engine", str(len(per_engine_capacity)))] = tokens
         capacity += tokens
+        engine_bytes = _int_label(sample.labels, "kv_cache_memory_bytes") or 0
+        memory_bytes += engine_bytes
+        cpu_blocks = _int_label(sample.labels, "num_cpu_blocks")
+        offload_gib = _float_label(sample.labels, "kv_offloading_size")
+        if cpu_blocks and size:
+            cpu_tokens += cpu_blocks * size
+        elif offload_gib and engine_bytes:
+            # Real vLLM names the tier by its size in GiB (--kv-offloading-size) only: in tokens
+            # at the GPU pool's bytes per token.
+            cpu_tokens += int(offload_gib * 2**30 / (engine_bytes / tokens))
         blocks += n_blocks or 0
         block_size = size if size is not None else block_size
 
@@ -144,7 +172,20 @@ def _vllm(metrics: dict[str, list[Sample]]) -> EngineSnapshot:
         prefix_queries_total=queries,
         prefix_hits_total=hits,
         preemptions_total=_sum(metrics.get("vllm:num_preemptions_total", [])),
+        cpu_capacity_tokens=cpu_tokens or None,
+        kv_bytes_per_token=memory_bytes / capacity if memory_bytes and capacity else None,
+        offload_bytes=_by_transfer(metrics.get("vllm:kv_offload_total_bytes_total", [])),
+        offload_seconds=_by_transfer(metrics.get("vllm:kv_offload_total_time_total", [])),
     )
+
+
+def _by_transfer(samples: list[Sample]) -> tuple[tuple[str, float], ...]:
+    """A connector counter summed over engines, per ``transfer_type``."""
+    out: dict[str, float] = defaultdict(float)
+    for s in samples:
+        if not math.isnan(s.value):
+            out[s.labels.get("transfer_type", "")] += s.value
+    return tuple(sorted(out.items()))
 
 
 def _sglang_ranks(samples: list[Sample]) -> list[Sample]:

@@ -113,7 +113,15 @@ def backend_sample(node: BackendNode, load: tuple[int, int] | None, now: float) 
         programs=0 if load is None else load[0],
         active_tokens=0 if load is None else load[1],
         error=node.last_error,
+        cpu_capacity_tokens=None if snap is None else snap.cpu_capacity_tokens,
+        offload_load_bytes_total=None if snap is None else _loads(snap.offload_bytes),
+        offload_load_seconds_total=None if snap is None else _loads(snap.offload_seconds),
     )
+
+
+def _loads(by_transfer: tuple[tuple[str, float], ...]) -> float | None:
+    """The CPU->GPU part of a connector counter (None: the backend has no connector)."""
+    return dict(by_transfer).get("CPU_to_GPU")
 
 
 async def wait_until_ready(pool: BackendPool, *, interval: float = 0.5) -> None:

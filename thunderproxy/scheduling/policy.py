@@ -26,6 +26,7 @@ from typing import Any
 
 from ..config import PolicyConfig as PolicyConfig
 from ..programs import ProgramStatus
+from .tiers import assumed_tier
 
 
 class Action(StrEnum):
@@ -81,6 +82,8 @@ class BackendView:
     hold: bool = True
     #: The measurements behind ``hold``, logged with the decisions that depend on it.
     hold_inputs: dict[str, float] = field(default_factory=dict)
+    #: With a CPU KV tier in the capacity: the GPU's own tokens (tiers.py; None: GPU only).
+    gpu_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,10 @@ def tool_estimate(p: ProgramView, now: float) -> float:
     return max(idle, p.tool_s or 0.0)
 
 
+#: Rules whose ``used`` counts the program they move.
+_ENFORCED = frozenset({"over_capacity", "calls_exceed_capacity"})
+
+
 def _decision(
     action: Action,
     p: ProgramView,
@@ -234,6 +241,11 @@ def _decision(
     the limit for programs not running yet)."""
     idle = None if p.acting_since is None else round(now - p.acting_since, 6)
     since = p.waiting_since if p.waiting_since is not None else p.paused_since
+    # The claims the rule weighed: ``used`` already holds the program when it was enforced on.
+    claims = used if used is None or rule in _ENFORCED else used + p.tokens
+    tier = None if b is None else assumed_tier(b.gpu_tokens, b.capacity_factor, claims)
+    if b is not None and tier is not None:
+        extra["detail"] = {**extra.get("detail", {}), "tier": tier, "gpu_tokens": b.gpu_tokens}
     return Decision(
         action=action,
         program_id=p.program_id,

@@ -426,6 +426,9 @@ class Scheduler:
             if snapshot is not None and snapshot.preemptions_total is not None:
                 schedule = self.schedule_of(node.url)
                 schedule.capacity = schedule.capacity.observe(snapshot.preemptions_total)
+            if node.last_poll_at is not None:
+                schedule = self.schedule_of(node.url)
+                schedule.tiers = schedule.tiers.observe(snapshot, node.last_poll_at)
         self.registry.presume_ended(now)  # programs never released stop holding capacity
         for decision in self.policy.retire(self.views(), now):
             self._apply(decision, now)

@@ -14,6 +14,8 @@ from .learners import CapacityFactor, SharedPrefix
 from .placement import Candidate, choose_backend
 from .policies import Views
 from .policy import BackendView, PolicyConfig, ProgramView, decay, used_tokens
+from .tiers import Tiers
+from .tiers import gate as tier_gate
 
 
 @dataclass
@@ -28,6 +30,8 @@ class BackendSchedule:
     capacity_tokens: int | None = None
     #: Whether holding programs back pays here (costs.py).
     hold: HoldLedger = HoldLedger()
+    #: The backend's KV tiers as its polls showed them (tiers.py).
+    tiers: Tiers = Tiers()
 
 
 class ViewSource:
@@ -66,11 +70,14 @@ class ViewSource:
             if capacity is not None:
                 schedule.capacity_tokens = capacity
             hold, inputs = self.holding(schedule)
+            gate = tier_gate(
+                schedule.capacity_tokens, schedule.tiers, schedule.capacity.factor, self.config
+            )
             views.append(
                 BackendView(
                     url=node.url,
                     healthy=node.healthy,
-                    capacity_tokens=schedule.capacity_tokens,
+                    capacity_tokens=gate.capacity_tokens,
                     shared_prefix_tokens=schedule.shared_prefix.tokens,
                     capacity_factor=schedule.capacity.factor,
                     last_pause_at=schedule.last_pause_at,
@@ -78,6 +85,7 @@ class ViewSource:
                     others_tokens=0 if self.others is None else self.others(node.url),
                     hold=hold,
                     hold_inputs=inputs,
+                    gpu_tokens=schedule.capacity_tokens if gate.spill_tokens else None,
                 )
             )
         return views

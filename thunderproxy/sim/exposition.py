@@ -249,6 +249,8 @@ def cache_config_labels(engine: Engine) -> dict[str, str]:
         labels["kv_offloading_size"] = str(cfg.kv_offloading_size)
     if cfg.compat == "current":
         labels["kv_cache_size_tokens"] = str(blocks * bs)
+        # As vLLM reports the GPU pool's bytes (what a token's KV costs to move follows).
+        labels["kv_cache_memory_bytes"] = str(blocks * bs * cfg.resolved_kv_bytes_per_token())
         labels["kv_cache_max_concurrency"] = str(blocks * bs / cfg.max_model_len)
         labels["effective_attention_block_size"] = str(bs)
         labels["hash_block_size"] = "None"
