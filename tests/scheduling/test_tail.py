@@ -5,34 +5,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from thunderproxy.programs import ProgramStatus
 from thunderproxy.scheduling import costs, policy
 from thunderproxy.scheduling.costs import HoldLedger
-from thunderproxy.scheduling.policy import Action, BackendView, PolicyConfig, ProgramView
+from thunderproxy.scheduling.policy import Action, BackendView, PolicyConfig
 
-B = "http://b0"
-R, A, P = ProgramStatus.REASONING, ProgramStatus.ACTING, ProgramStatus.PAUSED
-CFG = PolicyConfig(
-    decode_buffer=0,
-    pause_cooldown_s=0,
-    resume_cooldown_s=0,
-    acting_half_life_s=0,
-    target_fill=1.0,
-    max_wait_s=100,
-    mid_program_head_start_s=30,
-    resume_protection_s=30,
-    idle_lease_s=600,
-)
+from . import test_policy
+from .test_policy import A, B, P, R, backend, prog
 
-
-def backend(capacity: int | None = 10_000, **kw: object) -> BackendView:
-    return BackendView(url=kw.pop("url", B), healthy=True, capacity_tokens=capacity, **kw)  # type: ignore[arg-type]
-
-
-def prog(name: str, status: ProgramStatus, tokens: int, **kw: object) -> ProgramView:
-    kw.setdefault("backend", B)
-    kw.setdefault("created_at", 0.0)
-    return ProgramView(program_id=name, status=status, tokens=tokens, **kw)  # type: ignore[arg-type]
+# The views and the policy config of the policy's own tests, with a head start for programs
+# under way.
+CFG = replace(test_policy.CFG, mid_program_head_start_s=30)
 
 
 def test_programs_under_way_go_before_newcomers_until_a_newcomer_has_aged() -> None:

@@ -36,12 +36,9 @@ import argparse
 import json
 import re
 import shutil
-import socket
 import sqlite3
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +58,7 @@ from .realtime import (
     stop_child,
     thunderproxy_argv,
 )
+from .redisserver import RedisServer, free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SYSTEM = " ".join(f"rule {i}: keep the repository tidy and answer briefly." for i in range(40))
@@ -110,42 +108,18 @@ def metric(text: str, name: str) -> float | None:
     return None if found is None else float(found.group(1))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class Redis:
-    """A throw-away redis-server on a free loopback port, without persistence."""
-
-    def __init__(self, directory: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise BenchError(
-                "redis-server is not on the PATH; install it (apt-get install redis-server)"
-            )
-        self.port = free_port()
-        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(directory)]
-        self.process = subprocess.Popen(
-            [*argv, "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL
+def start_redis(directory: Path) -> RedisServer:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise BenchError(
+            "redis-server is not on the PATH; install it (apt-get install redis-server)"
         )
-        for _ in range(1000):
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
-                return
-            except OSError:
-                time.sleep(0.01)
-        raise BenchError(f"redis-server did not listen on port {self.port}")
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def close(self) -> None:
-        self.process.kill()
-        self.process.wait()
+    server = RedisServer(binary, free_port(), directory)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        raise BenchError(str(exc)) from None
+    return server
 
 
 async def stream_call(
@@ -265,7 +239,7 @@ async def run_arrangement(config: ScaleoutConfig, arrangement: str, tmp: Path) -
     )
     directory = tmp / arrangement
     directory.mkdir()
-    redis = Redis(directory) if arrangement == "shared" else None
+    redis = start_redis(directory) if arrangement == "shared" else None
     children: list[Child] = []
     try:
         async with trio.open_nursery() as nursery:
@@ -318,7 +292,7 @@ async def run_arrangement(config: ScaleoutConfig, arrangement: str, tmp: Path) -
             nursery.cancel_scope.cancel()
     finally:
         if redis is not None:
-            redis.close()
+            redis.kill()
     if arrangement == "shared":
         outcome.calls_per_worker = [
             calls_in(Path(worker_db(str(db), k))) for k in range(1, processes + 1)
