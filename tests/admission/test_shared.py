@@ -80,6 +80,33 @@ async def drain(process: Any, log: Path) -> None:
             out.write(chunk)
 
 
+async def start_instances(
+    n: int,
+    tmp_path: Path,
+    cfg: Path,
+    redis: str,
+    backend: str,
+    procs: list[tuple[Any, str]],
+    nursery: trio.Nursery,
+) -> list[str]:
+    """Start ``n`` serve processes (``i0``, ``i1``, ...) into ``procs``, their logs drained by
+    ``nursery``; their URLs."""
+    for i in range(n):
+        process, url = await serve(tmp_path, f"i{i}", cfg, redis, backend)
+        nursery.start_soon(drain, process, tmp_path / f"i{i}.log")
+        procs.append((process, url))
+    return [url for _, url in procs]
+
+
+async def stop_instances(procs: list[tuple[Any, str]], within_s: float) -> None:
+    """Ask every serve process to stop (each drains as it would in production) and wait."""
+    for process, _ in procs:
+        process.terminate()
+    with trio.fail_after(within_s):
+        for process, _ in procs:
+            await process.wait()
+
+
 async def test_three_instances_share_one_limit(tmp_path: Path, redis_server: RedisServer) -> None:
     # Every step below happens inside one wall-clock minute (the limiter's window).
     into_minute = time.time() % 60
@@ -93,11 +120,7 @@ async def test_three_instances_share_one_limit(tmp_path: Path, redis_server: Red
         killed_at_exit() as procs,
         trio.open_nursery() as nursery,
     ):
-        for i in range(3):
-            process, url = await serve(tmp_path, f"i{i}", cfg, redis_server.url, sim.url)
-            nursery.start_soon(drain, process, tmp_path / f"i{i}.log")
-            procs.append((process, url))
-        urls = [url for _, url in procs]
+        urls = await start_instances(3, tmp_path, cfg, redis_server.url, sim.url, procs, nursery)
 
         async def health(url: str) -> dict[str, Any]:
             answer: dict[str, Any] = (await client.get(url + "/health")).json()["admission"]
@@ -160,11 +183,7 @@ async def test_three_instances_share_one_limit(tmp_path: Path, redis_server: Red
         with trio.fail_after(10):
             while not (await health(survivors[0]))["redis"]["reachable"]:
                 await trio.sleep(0.05)
-        for process, _ in procs:
-            process.terminate()
-        with trio.fail_after(20):
-            for process, _ in procs:
-                await process.wait()
+        await stop_instances(procs, within_s=20)
         nursery.cancel_scope.cancel()
     print(json.dumps({"redistributed_s": round(redistributed_s, 3)}))
 
@@ -194,10 +213,7 @@ async def test_saturated_instances_stay_within_the_limit_and_use_it(
         killed_at_exit() as procs,
         trio.open_nursery() as nursery,
     ):
-        for i in range(instances):
-            process, url = await serve(tmp_path, f"i{i}", cfg, redis_server.url, sim.url)
-            nursery.start_soon(drain, process, tmp_path / f"i{i}.log")
-            procs.append((process, url))
+        await start_instances(instances, tmp_path, cfg, redis_server.url, sim.url, procs, nursery)
         failures: list[int] = []
         refused_at: list[float] = []
         # Until just past the end of the first minute that starts after the load does.
@@ -218,11 +234,7 @@ async def test_saturated_instances_stay_within_the_limit_and_use_it(
             for _, url in procs:
                 for n in range(4):
                     load.start_soon(worker, url, n)
-        for process, _ in procs:
-            process.terminate()
-        with trio.fail_after(30):
-            for process, _ in procs:
-                await process.wait()
+        await stop_instances(procs, within_s=30)
         nursery.cancel_scope.cancel()
     assert failures == []
     # Calls: admissions by the minute they were admitted in. Tokens: what the backend reported
@@ -262,11 +274,7 @@ async def test_redis_restarted_under_continuous_load(
         killed_at_exit() as procs,
         trio.open_nursery() as nursery,
     ):
-        for i in range(2):
-            process, url = await serve(tmp_path, f"i{i}", cfg, redis_server.url, sim.url)
-            nursery.start_soon(drain, process, tmp_path / f"i{i}.log")
-            procs.append((process, url))
-        urls = [url for _, url in procs]
+        urls = await start_instances(2, tmp_path, cfg, redis_server.url, sim.url, procs, nursery)
 
         async def redis_of(url: str) -> dict[str, Any]:
             answer: dict[str, Any] = (await client.get(url + "/health")).json()["admission"]
@@ -318,11 +326,7 @@ async def test_redis_restarted_under_continuous_load(
             seen = await redis_of(url)
             assert seen["reachable"], seen
             assert seen["away_since_s"] is None, seen
-        for process, _ in procs:
-            process.terminate()
-        with trio.fail_after(20):
-            for process, _ in procs:
-                await process.wait()
+        await stop_instances(procs, within_s=20)
         nursery.cancel_scope.cancel()
     failed = [(p, s) for p, s in calls if s not in (200, 429)]
     phases = ("before", "away", "after")
