@@ -3,6 +3,9 @@
 It answers like vLLM in shape (SSE framing, usage chunk with ``choices: []``, cached-token
 details, ``vllm:`` metrics) and records what it received, so tests can see exactly what the
 proxy forwarded and when an upstream request was abandoned.
+
+``create_backend_app`` and ``serve_backend`` are what every test backend shares (the fuzzing
+one in fuzzbackend.py too): the health and metrics routes, and a server on a free port.
 """
 
 from __future__ import annotations
@@ -29,16 +32,25 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
 
 
 @dataclass
-class FakeBackend:
+class LoopbackBackend:
+    """What every test backend knows of itself: where it listens, once it does."""
+
     url: str = ""
+
+
+@dataclass
+class FakeBackend(LoopbackBackend):
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
 
 
-def create_fake_app(state: FakeBackend) -> QuartTrio:
-    app = QuartTrio("fakebackend")
+def create_backend_app(name: str) -> QuartTrio:
+    """An app that answers like a healthy vLLM on ``/health`` and ``/metrics``, the routes the
+    proxy's poller reads before it sends anything; each test backend adds its own."""
+    app = QuartTrio(name)
+    # Streams are as slow as a test makes them; Quart's 60 s default would cut them.
     app.config["RESPONSE_TIMEOUT"] = None
 
     @app.get("/health")
@@ -48,6 +60,31 @@ def create_fake_app(state: FakeBackend) -> QuartTrio:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(METRICS, content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def serve_backend(
+    app: QuartTrio,
+    state: LoopbackBackend,
+    *,
+    log_errors: bool = True,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on 127.0.0.1, port 0; ready once it listens, with ``state.url`` set."""
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    if not log_errors:
+        config.errorlog = None
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, app, config))
+        state.url = binds[0]
+        task_status.started(binds[0])
+
+
+def create_fake_app(state: FakeBackend) -> QuartTrio:
+    app = create_backend_app("fakebackend")
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -154,11 +191,4 @@ def create_fake_app(state: FakeBackend) -> QuartTrio:
 async def serve_fake_backend(
     state: FakeBackend, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, create_fake_app(state), config))
-        state.url = binds[0]
-        task_status.started(binds[0])
+    await serve_backend(create_fake_app(state), state, task_status=task_status)
