@@ -3,6 +3,7 @@ conversation, keepalives on a quiet stream, and programs released when a job end
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 import trio
 
 from tests.jobs.fakes import ScriptedClient
-from thunderproxy.jobs.errors import JobRunning
+from thunderproxy.jobs.errors import JobRunning, MemberFailed
 from thunderproxy.jobs.llm import StreamAssembler, TextDelta, ToolCall
 from thunderproxy.jobs.pipeline import CouncilConfig
 from thunderproxy.jobs.runner import CouncilRunner
@@ -130,6 +131,21 @@ def test_tool_call_fragments_are_assembled_in_order() -> None:
         ToolCall("call_b", "web_search", '{"query": "y"}'),
     )
     assert (finished.prompt_tokens, finished.completion_tokens) == (12, 7)
+
+
+@pytest.mark.parametrize(
+    "as_read", [lambda text: text, lambda text: text.encode()], ids=["http-text", "gateway-bytes"]
+)
+def test_a_stream_payload_is_fed_or_fails_the_member(as_read: Callable[[str], Any]) -> None:
+    # Both clients hand over the payload of a data: line as they read it, text or bytes.
+    assembler = StreamAssembler()
+    chunk = '{"choices": [{"delta": {"content": "Hi"}, "finish_reason": "stop"}]}'
+    assert assembler.feed_data("m", as_read(chunk)) == [TextDelta("Hi")]
+    assert assembler.finished().finish_reason == "stop"
+    with pytest.raises(MemberFailed, match="^Model 'm' failed mid-answer: overloaded$"):
+        assembler.feed_data("m", as_read('{"error": {"message": "overloaded", "code": 503}}'))
+    with pytest.raises(MemberFailed, match="^Model 'm' sent an unreadable stream chunk: b?'{no'$"):
+        assembler.feed_data("m", as_read("{no"))
 
 
 @pytest.mark.parametrize(

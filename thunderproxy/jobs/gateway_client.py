@@ -6,7 +6,6 @@ loopback HTTP hop is gone.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -74,18 +73,7 @@ class GatewayChatClient:
                             data = line[5:].strip()
                             if data == b"[DONE]":
                                 continue
-                            try:
-                                payload = json.loads(data)
-                            except ValueError:
-                                raise MemberFailed(
-                                    f"Model {model!r} sent an unreadable stream chunk: "
-                                    f"{data[:120]!r}"
-                                ) from None
-                            if isinstance(payload, dict) and "error" in payload:
-                                raise MemberFailed(
-                                    f"Model {model!r} failed mid-answer: {error_message(data)}"
-                                )
-                            for event in assembler.feed(payload):
+                            for event in assembler.feed_data(model, data):
                                 yield event
                 finally:
                     # Closed here if the member is cancelled mid-answer, not by the collector.

@@ -117,6 +117,20 @@ class StreamAssembler:
                 self.finish_reason = choice["finish_reason"]
         return events
 
+    def feed_data(self, model: str, data: str | bytes) -> list[ChatEvent]:
+        """One ``data:`` payload of ``model``'s stream, as the client read it (text or bytes),
+        fed as a chunk; a payload that is not JSON, or is an error event, fails the member."""
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise MemberFailed(
+                f"Model {model!r} sent an unreadable stream chunk: {data[:120]!r}"
+            ) from None
+        if isinstance(chunk, dict) and "error" in chunk:
+            raw = data.encode() if isinstance(data, str) else data
+            raise MemberFailed(f"Model {model!r} failed mid-answer: {error_message(raw)}")
+        return self.feed(chunk)
+
     def finished(self) -> Finished:
         calls = tuple(
             ToolCall(parts.id or f"call_{index}", parts.name, "".join(parts.arguments) or "{}")
@@ -197,17 +211,7 @@ class HttpChatClient:
                     data = line[5:].strip()
                     if data == "[DONE]":
                         break
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        raise MemberFailed(
-                            f"Model {model!r} sent an unreadable stream chunk: {data[:120]!r}"
-                        ) from None
-                    if isinstance(chunk, dict) and "error" in chunk:
-                        raise MemberFailed(
-                            f"Model {model!r} failed mid-answer: {error_message(data.encode())}"
-                        )
-                    for event in assembler.feed(chunk):
+                    for event in assembler.feed_data(model, data):
                         yield event
         except httpx.HTTPError as exc:
             raise MemberFailed(f"Model {model!r} could not be reached at {url}: {exc!r}") from exc
