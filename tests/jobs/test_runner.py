@@ -12,7 +12,7 @@ import trio
 
 from tests.jobs.fakes import ScriptedClient
 from thunderproxy.jobs.errors import JobRunning, MemberFailed
-from thunderproxy.jobs.llm import StreamAssembler, TextDelta, ToolCall
+from thunderproxy.jobs.llm import ChatRequest, StreamAssembler, TextDelta, ToolCall
 from thunderproxy.jobs.pipeline import CouncilConfig
 from thunderproxy.jobs.runner import CouncilRunner
 from thunderproxy.jobs.store import JobStore
@@ -131,6 +131,26 @@ def test_tool_call_fragments_are_assembled_in_order() -> None:
         ToolCall("call_b", "web_search", '{"query": "y"}'),
     )
     assert (finished.prompt_tokens, finished.completion_tokens) == (12, 7)
+
+
+def test_a_member_request_streams_with_usage_and_sends_only_what_was_given() -> None:
+    messages = [{"role": "user", "content": "q"}]
+    plain = ChatRequest("m", messages, "council:j:m")
+    assert plain.body() == {
+        "model": "m",
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    tools = [{"type": "function", "function": {"name": "fetch_url"}}]
+    full = ChatRequest("m", messages, "p", tools=tools, tool_choice="auto", max_tokens=0)
+    assert full.body() == plain.body() | {
+        "tools": tools,
+        "tool_choice": "auto",
+        "max_tokens": 0,
+    }
+    # An empty tool list is sent as no tools at all.
+    assert "tools" not in ChatRequest("m", messages, "p", tools=[]).body()
 
 
 @pytest.mark.parametrize(

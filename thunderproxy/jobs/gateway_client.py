@@ -15,7 +15,7 @@ from ..errors import ProgramUnknown, ThunderproxyError
 from ..gateway import Call, Gateway
 from ..http.sse import OPENAI
 from .errors import MemberFailed
-from .llm import ChatEvent, StreamAssembler, chat_body, error_message
+from .llm import ChatEvent, ChatRequest, StreamAssembler, error_message
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -30,27 +30,18 @@ class GatewayChatClient:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    async def stream_chat(
-        self,
-        *,
-        model: str,
-        messages: list[dict[str, Any]],
-        program_id: str,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        max_tokens: int | None = None,
-    ) -> AsyncIterator[ChatEvent]:
-        body = chat_body(model, messages, tools, tool_choice, max_tokens)
+    async def stream_chat(self, request: ChatRequest) -> AsyncIterator[ChatEvent]:
+        model = request.model
         call = Call(
-            program_id=program_id,
+            program_id=request.program_id,
             endpoint=ENDPOINT,
-            body=body,
+            body=request.body(),
             wire=OPENAI,
             arrived_at=trio.current_time(),
             model=model,
             stream=True,
             headers=[("content-type", "application/json")],
-            context_chars=_chars(messages),
+            context_chars=_chars(request.messages),
         )
         assembler = StreamAssembler()
         try:
