@@ -5,14 +5,20 @@ details, ``vllm:`` metrics) and records what it received, so tests can see exact
 proxy forwarded and when an upstream request was abandoned.
 
 ``create_backend_app`` and ``serve_backend`` are what every test backend shares (the fuzzing
-one in fuzzbackend.py too): the health and metrics routes, and a server on a free port.
+one in fuzzbackend.py too): the health and metrics routes, and a server on a free port;
+``proxy_in_thread`` puts either behind a proxy for the hypothesis tests.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -20,6 +26,9 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from quart import Response, request
 from quart_trio import QuartTrio
+
+from tests.conftest import running_proxy
+from thunderproxy.runtime import RunningProxy
 
 METRICS = """\
 # TYPE vllm:num_requests_running gauge
@@ -81,6 +90,35 @@ async def serve_backend(
         binds = await nursery.start(partial(serve, app, config))
         state.url = binds[0]
         task_status.started(binds[0])
+
+
+@contextmanager
+def proxy_in_thread(
+    serve_backend: Callable[..., Awaitable[None]],
+    backend: LoopbackBackend,
+    db: Path,
+    **overrides: Any,
+) -> Iterator[RunningProxy]:
+    """``backend``, served by ``serve_backend``, and a proxy in front of it, on their own trio
+    loop in a thread, so that hypothesis can drive them from plain synchronous examples."""
+    ready: queue.Queue[RunningProxy] = queue.Queue()
+    stop = threading.Event()
+
+    async def serve_both() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_backend, backend)
+            async with running_proxy(db, backends=backend.url, **overrides) as proxy:
+                ready.put(proxy)
+                await trio.to_thread.run_sync(stop.wait)
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(serve_both,), daemon=True)
+    thread.start()
+    try:
+        yield ready.get(timeout=30)
+    finally:
+        stop.set()
+        thread.join(30)
 
 
 def create_fake_app(state: FakeBackend) -> QuartTrio:
