@@ -3,13 +3,22 @@
 It answers like vLLM in shape (SSE framing, usage chunk with ``choices: []``, cached-token
 details, ``vllm:`` metrics) and records what it received, so tests can see exactly what the
 proxy forwarded and when an upstream request was abandoned.
+
+``create_backend_app`` and ``serve_backend`` are what every test backend shares (the fuzzing
+one in fuzzbackend.py too): the health and metrics routes, and a server on a free port;
+``proxy_in_thread`` puts either behind a proxy for the hypothesis tests.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -17,6 +26,9 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from quart import Response, request
 from quart_trio import QuartTrio
+
+from tests.conftest import running_proxy
+from thunderproxy.runtime import RunningProxy
 
 METRICS = """\
 # TYPE vllm:num_requests_running gauge
@@ -29,16 +41,25 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
 
 
 @dataclass
-class FakeBackend:
+class LoopbackBackend:
+    """What every test backend knows of itself: where it listens, once it does."""
+
     url: str = ""
+
+
+@dataclass
+class FakeBackend(LoopbackBackend):
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
 
 
-def create_fake_app(state: FakeBackend) -> QuartTrio:
-    app = QuartTrio("fakebackend")
+def create_backend_app(name: str) -> QuartTrio:
+    """An app that answers like a healthy vLLM on ``/health`` and ``/metrics``, the routes the
+    proxy's poller reads before it sends anything; each test backend adds its own."""
+    app = QuartTrio(name)
+    # Streams are as slow as a test makes them; Quart's 60 s default would cut them.
     app.config["RESPONSE_TIMEOUT"] = None
 
     @app.get("/health")
@@ -48,6 +69,60 @@ def create_fake_app(state: FakeBackend) -> QuartTrio:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(METRICS, content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def serve_backend(
+    app: QuartTrio,
+    state: LoopbackBackend,
+    *,
+    log_errors: bool = True,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on 127.0.0.1, port 0; ready once it listens, with ``state.url`` set."""
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    if not log_errors:
+        config.errorlog = None
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, app, config))
+        state.url = binds[0]
+        task_status.started(binds[0])
+
+
+@contextmanager
+def proxy_in_thread(
+    serve_backend: Callable[..., Awaitable[None]],
+    backend: LoopbackBackend,
+    db: Path,
+    **overrides: Any,
+) -> Iterator[RunningProxy]:
+    """``backend``, served by ``serve_backend``, and a proxy in front of it, on their own trio
+    loop in a thread, so that hypothesis can drive them from plain synchronous examples."""
+    ready: queue.Queue[RunningProxy] = queue.Queue()
+    stop = threading.Event()
+
+    async def serve_both() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_backend, backend)
+            async with running_proxy(db, backends=backend.url, **overrides) as proxy:
+                ready.put(proxy)
+                await trio.to_thread.run_sync(stop.wait)
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(serve_both,), daemon=True)
+    thread.start()
+    try:
+        yield ready.get(timeout=30)
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def create_fake_app(state: FakeBackend) -> QuartTrio:
+    app = create_backend_app("fakebackend")
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -154,11 +229,4 @@ def create_fake_app(state: FakeBackend) -> QuartTrio:
 async def serve_fake_backend(
     state: FakeBackend, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, create_fake_app(state), config))
-        state.url = binds[0]
-        task_status.started(binds[0])
+    await serve_backend(create_fake_app(state), state, task_status=task_status)

@@ -14,17 +14,14 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 from hypothesis import strategies as st
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from tests.fakebackend import METRICS
+from tests.fakebackend import LoopbackBackend, create_backend_app, serve_backend
 
 
 class CutConnection(Exception):
@@ -63,23 +60,13 @@ class Answer:
 
 
 @dataclass
-class FuzzBackend:
-    url: str = ""
+class FuzzBackend(LoopbackBackend):
     answers: dict[str, Answer] = field(default_factory=dict)
     requests: int = 0
 
 
 def create_fuzz_app(state: FuzzBackend) -> QuartTrio:
-    app = QuartTrio("fuzzbackend")
-    app.config["RESPONSE_TIMEOUT"] = None
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(b"", status=200)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(METRICS, content_type="text/plain; version=0.0.4; charset=utf-8")
+    app = create_backend_app("fuzzbackend")
 
     @app.post("/v1/chat/completions")
     async def chat() -> Response:
@@ -109,14 +96,8 @@ def create_fuzz_app(state: FuzzBackend) -> QuartTrio:
 async def serve_fuzz_backend(
     state: FuzzBackend, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    config.errorlog = None
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, create_fuzz_app(state), config))
-        state.url = binds[0]
-        task_status.started(binds[0])
+    # Cut connections are what the tests ask for; Hypercorn's traceback for each is noise.
+    await serve_backend(create_fuzz_app(state), state, log_errors=False, task_status=task_status)
 
 
 # --- strategies --------------------------------------------------------------------------------

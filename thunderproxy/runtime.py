@@ -14,14 +14,16 @@ channel is closed, and the writer flushes every accepted row before the nursery 
 from __future__ import annotations
 
 import errno
+import importlib
 import logging
 import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -36,7 +38,7 @@ from .audit.writer import check_database_path
 from .backends import BackendPool, open_backend_pool
 from .backends.poller import serve_metrics_poller, wait_until_ready
 from .clock import WallClock
-from .config import RECOGNITION_SOURCES, Settings, recognition_sources
+from .config import RECOGNITION_SOURCES, Settings, load_settings, recognition_sources
 from .errors import ConfigError
 from .explore import mount_datasette
 from .gateway import Gateway
@@ -58,6 +60,9 @@ from .worker import (
     signals_from_services,
     worker_config,
 )
+
+if TYPE_CHECKING:
+    from .sim import SimConfig
 
 log = logging.getLogger("thunderproxy")
 
@@ -450,3 +455,40 @@ async def run(
                 settings.db,
             )
             task_status.started(RunningProxy(binds[0], services, audit, shutdown, worker))
+
+
+@asynccontextmanager
+async def open_demo(
+    sim_config: SimConfig,
+    values: Mapping[str, Any],
+    *,
+    wait: bool,
+    echo: Callable[[str], None],
+) -> AsyncIterator[tuple[RunningProxy, str]]:
+    """A proxy in front of a simulator of its own, both in this process, as ``thunderproxy
+    demo`` runs them: yields the running proxy and the simulator's URL.
+
+    ``values`` are the proxy's settings, less ``backends`` (the simulator); it logs warnings
+    only, so that the demo's own lines are what the terminal shows. After the block, with
+    ``wait`` the proxy keeps serving until Ctrl-C, else it stops at once; the simulator goes
+    only once the proxy has drained and flushed its audit log."""
+    from .sim import serve_simulator
+
+    async with trio.open_nursery() as outer:
+        sim_url: str = await outer.start(
+            partial(serve_simulator, sim_config, host="127.0.0.1", port=0)
+        )
+        settings = load_settings({"log_level": "warning", **values, "backends": sim_url})
+        if settings.datasette:
+            # The Datasette mount must patch asyncio before Quart loads (explore/mount.py).
+            importlib.import_module("thunderproxy.explore.mount")
+        async with trio.open_nursery() as inner:
+            proxy: RunningProxy = await inner.start(partial(run, settings, handle_signals=True))
+            yield proxy, sim_url
+            if wait:
+                echo("the proxy keeps serving so you can look around; Ctrl-C stops it")
+                await proxy.shutdown.wait()
+            else:
+                proxy.shutdown.set()
+        # The proxy has drained and flushed its audit log; the simulator can go.
+        outer.cancel_scope.cancel()

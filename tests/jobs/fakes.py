@@ -10,7 +10,7 @@ from typing import Any
 import trio
 
 from thunderproxy.jobs.errors import MemberFailed
-from thunderproxy.jobs.llm import ChatEvent, Finished, TextDelta, ToolCall
+from thunderproxy.jobs.llm import ChatEvent, ChatRequest, Finished, TextDelta, ToolCall
 
 #: What a model does for one call: text to stream, tool calls to ask for, or a failure.
 Reply = str | tuple[ToolCall, ...] | MemberFailed | None
@@ -24,18 +24,15 @@ class ScriptedClient:
     calls: list[dict[str, Any]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
 
-    async def stream_chat(
-        self,
-        *,
-        model: str,
-        messages: list[dict[str, Any]],
-        program_id: str,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        max_tokens: int | None = None,
-    ) -> AsyncIterator[ChatEvent]:
+    async def stream_chat(self, request: ChatRequest) -> AsyncIterator[ChatEvent]:
+        model, messages, tools = request.model, request.messages, request.tools
         self.calls.append(
-            {"model": model, "messages": list(messages), "program_id": program_id, "tools": tools}
+            {
+                "model": model,
+                "messages": list(messages),
+                "program_id": request.program_id,
+                "tools": tools,
+            }
         )
         reply = self.script(model, messages, tools)
         if reply is None:

@@ -3,6 +3,7 @@ conversation, keepalives on a quiet stream, and programs released when a job end
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +11,8 @@ import pytest
 import trio
 
 from tests.jobs.fakes import ScriptedClient
-from thunderproxy.jobs.errors import JobRunning
-from thunderproxy.jobs.llm import StreamAssembler, TextDelta, ToolCall
+from thunderproxy.jobs.errors import JobRunning, MemberFailed
+from thunderproxy.jobs.llm import ChatRequest, StreamAssembler, TextDelta, ToolCall
 from thunderproxy.jobs.pipeline import CouncilConfig
 from thunderproxy.jobs.runner import CouncilRunner
 from thunderproxy.jobs.store import JobStore
@@ -130,6 +131,41 @@ def test_tool_call_fragments_are_assembled_in_order() -> None:
         ToolCall("call_b", "web_search", '{"query": "y"}'),
     )
     assert (finished.prompt_tokens, finished.completion_tokens) == (12, 7)
+
+
+def test_a_member_request_streams_with_usage_and_sends_only_what_was_given() -> None:
+    messages = [{"role": "user", "content": "q"}]
+    plain = ChatRequest("m", messages, "council:j:m")
+    assert plain.body() == {
+        "model": "m",
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    tools = [{"type": "function", "function": {"name": "fetch_url"}}]
+    full = ChatRequest("m", messages, "p", tools=tools, tool_choice="auto", max_tokens=0)
+    assert full.body() == plain.body() | {
+        "tools": tools,
+        "tool_choice": "auto",
+        "max_tokens": 0,
+    }
+    # An empty tool list is sent as no tools at all.
+    assert "tools" not in ChatRequest("m", messages, "p", tools=[]).body()
+
+
+@pytest.mark.parametrize(
+    "as_read", [lambda text: text, lambda text: text.encode()], ids=["http-text", "gateway-bytes"]
+)
+def test_a_stream_payload_is_fed_or_fails_the_member(as_read: Callable[[str], Any]) -> None:
+    # Both clients hand over the payload of a data: line as they read it, text or bytes.
+    assembler = StreamAssembler()
+    chunk = '{"choices": [{"delta": {"content": "Hi"}, "finish_reason": "stop"}]}'
+    assert assembler.feed_data("m", as_read(chunk)) == [TextDelta("Hi")]
+    assert assembler.finished().finish_reason == "stop"
+    with pytest.raises(MemberFailed, match="^Model 'm' failed mid-answer: overloaded$"):
+        assembler.feed_data("m", as_read('{"error": {"message": "overloaded", "code": 503}}'))
+    with pytest.raises(MemberFailed, match="^Model 'm' sent an unreadable stream chunk: b?'{no'$"):
+        assembler.feed_data("m", as_read("{no"))
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import queue
 import re
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,11 +22,11 @@ from typing import Any
 
 import httpx
 import pytest
-import trio
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import query, running_proxy
+from tests.conftest import query
+from tests.fakebackend import proxy_in_thread
 from tests.fuzzbackend import Answer, FuzzBackend, answers, serve_fuzz_backend, texts
 from thunderproxy.protocols.openai_chat import ChatTap
 from thunderproxy.runtime import RunningProxy
@@ -50,30 +48,15 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """A fuzz backend and a proxy on their own trio loop in a thread, so hypothesis can drive
-    them from plain synchronous examples."""
+    """A fuzz backend and a proxy in front of it, for the whole module."""
     db = tmp_path_factory.mktemp("fuzz") / "audit.db"
-    ready: queue.Queue[tuple[RunningProxy, FuzzBackend]] = queue.Queue()
-    stop = threading.Event()
-
-    async def serve() -> None:
-        backend = FuzzBackend()
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve_fuzz_backend, backend)
-            async with running_proxy(
-                db, backends=backend.url, datasette=False, max_body_bytes=65_536
-            ) as proxy:
-                ready.put((proxy, backend))
-                await trio.to_thread.run_sync(stop.wait)
-            nursery.cancel_scope.cancel()
-
-    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
-    thread.start()
-    proxy, backend = ready.get(timeout=30)
-    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+    backend = FuzzBackend()
+    overrides = {"datasette": False, "max_body_bytes": 65_536}
+    with (
+        proxy_in_thread(serve_fuzz_backend, backend, db, **overrides) as proxy,
+        httpx.Client(base_url=proxy.url, timeout=30) as client,
+    ):
         yield Live(client, backend, proxy, db)
-    stop.set()
-    thread.join(30)
 
 
 # --- the invariants ----------------------------------------------------------------------------

@@ -4,20 +4,15 @@ answers with a well-formed response, never a 500 of its own, and forwards only w
 from __future__ import annotations
 
 import json
-import queue
-import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import running_proxy
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from tests.fakebackend import FakeBackend, proxy_in_thread, serve_fake_backend
 
 Live = tuple[httpx.Client, FakeBackend]
 
@@ -40,28 +35,14 @@ messages = st.lists(
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """A fake backend and a proxy on their own trio loop in a thread, so hypothesis can drive
-    them from plain synchronous examples."""
+    """A fake backend and a proxy in front of it, for the whole module."""
     db = tmp_path_factory.mktemp("props") / "audit.db"
-    ready: queue.Queue[tuple[str, FakeBackend]] = queue.Queue()
-    stop = threading.Event()
-
-    async def serve() -> None:
-        backend = FakeBackend()
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve_fake_backend, backend)
-            async with running_proxy(Path(db), backends=backend.url, max_body_bytes=16_384) as p:
-                ready.put((p.url, backend))
-                await trio.to_thread.run_sync(stop.wait)
-            nursery.cancel_scope.cancel()
-
-    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
-    thread.start()
-    url, backend = ready.get(timeout=30)
-    with httpx.Client(base_url=url, timeout=10) as client:
+    backend = FakeBackend()
+    with (
+        proxy_in_thread(serve_fake_backend, backend, db, max_body_bytes=16_384) as proxy,
+        httpx.Client(base_url=proxy.url, timeout=10) as client,
+    ):
         yield client, backend
-    stop.set()
-    thread.join(30)
 
 
 def check_error_shape(r: httpx.Response) -> None:

@@ -10,17 +10,15 @@ Ctrl-C so the audit db can be explored at ``<proxy url>/datasette/``.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import httpx
 import trio
 
 from ..config import load_settings
-from ..runtime import RunningProxy, run
-from ..sim import SimConfig, serve_simulator
+from ..runtime import RunningProxy, open_demo
+from ..sim import SimConfig
 from . import figures
 from .agent import Agents
 from .config import DEFAULT_PROFILE, TIME_SETTINGS, BenchConfig
@@ -87,75 +85,56 @@ async def run_demo(
     sim_config: SimConfig = bench.sim_config(workload, "tr", time_scale=config.time_scale)
     base = load_settings()
     scaled = {name: base.value(name) * config.time_scale for name in TIME_SETTINGS}
-    async with trio.open_nursery() as outer:
-        sim_url: str = await outer.start(
-            partial(serve_simulator, sim_config, host="127.0.0.1", port=0)
+    values = {
+        **scaled,
+        "host": config.host,
+        "port": config.port,
+        "router": "tr",
+        "db": config.db,
+        "restore": False,
+    }
+    async with open_demo(sim_config, values, wait=config.wait, echo=echo) as (proxy, sim_url):
+        echo(
+            f"thunderproxy demo: {len(workload.programs)} SWE-agent programs, "
+            f"{config.concurrency} at a time, through tr at {proxy.url} against a "
+            f"simulated vLLM with {kv:,} KV tokens (about {OVERSUBSCRIPTION:.0f}x "
+            f"oversubscribed), {1 / config.time_scale:.0f}x faster than real time"
         )
-        settings = load_settings(
-            {
-                **scaled,
-                "host": config.host,
-                "port": config.port,
-                "backends": sim_url,
-                "router": "tr",
-                "db": config.db,
-                "restore": False,
-                "log_level": "warning",
-            }
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
+            transport = HttpTransport(
+                client, base_for=lambda _p: proxy.url, model=bench.model, proxy_url=proxy.url
+            )
+            agents = Agents(
+                workload,
+                transport,
+                bench.schedule(workload),
+                time_scale=config.time_scale,
+                progress=bar,
+            )
+            log = await agents.run()
+            states = [(await client.get(sim_url + "/_sim/state")).json()]
+        bar.close(log)
+        _run, pause, pauses = await _proxy_figures(proxy, config.db)
+        totals = figures.sum_truth(states)
+        result = TargetResult(
+            target="tr",
+            concurrency=config.concurrency,
+            kv_tokens=kv,
+            figures=figures.compute(log, totals, pause_time_s=pause, pauses=pauses),
+            log=log,
+            truth=totals,
+            clock="real",
+            proxy_run_id=proxy.audit.run_id,
         )
-        if getattr(settings, "datasette", False):
-            # The Datasette mount must patch asyncio before Quart loads (explore/mount.py).
-            importlib.import_module("thunderproxy.explore.mount")
-        async with trio.open_nursery() as inner:
-            proxy: RunningProxy = await inner.start(partial(run, settings, handle_signals=True))
-            echo(
-                f"thunderproxy demo: {len(workload.programs)} SWE-agent programs, "
-                f"{config.concurrency} at a time, through tr at {proxy.url} against a "
-                f"simulated vLLM with {kv:,} KV tokens (about {OVERSUBSCRIPTION:.0f}x "
-                f"oversubscribed), {1 / config.time_scale:.0f}x faster than real time"
-            )
-            async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
-                transport = HttpTransport(
-                    client, base_for=lambda _p: proxy.url, model=bench.model, proxy_url=proxy.url
-                )
-                agents = Agents(
-                    workload,
-                    transport,
-                    bench.schedule(workload),
-                    time_scale=config.time_scale,
-                    progress=bar,
-                )
-                log = await agents.run()
-                states = [(await client.get(sim_url + "/_sim/state")).json()]
-            bar.close(log)
-            _run, pause, pauses = await _proxy_figures(proxy, config.db)
-            totals = figures.sum_truth(states)
-            result = TargetResult(
-                target="tr",
-                concurrency=config.concurrency,
-                kv_tokens=kv,
-                figures=figures.compute(log, totals, pause_time_s=pause, pauses=pauses),
-                log=log,
-                truth=totals,
-                clock="real",
-                proxy_run_id=proxy.audit.run_id,
-            )
-            datasette = proxy.url.rstrip("/") + "/datasette/"
-            echo("")
-            echo(figures.table([result.summary()], keys=SUMMARY_KEYS))
-            echo("")
-            echo(f"audit db: {config.db}, run {proxy.audit.run_id} (every transition, step "
-                 "and scheduling decision)")  # fmt: skip
-            echo(f"explore it: {datasette}")
-            outcome = DemoOutcome(proxy.url, datasette, result)
-            task_status.started(outcome)
-            if config.wait:
-                echo("the proxy keeps serving so you can look around; Ctrl-C stops it")
-                await proxy.shutdown.wait()
-            else:
-                proxy.shutdown.set()
-        # The proxy has drained and flushed its audit log; the simulator can go.
-        outer.cancel_scope.cancel()
+        datasette = proxy.url.rstrip("/") + "/datasette/"
+        echo("")
+        echo(figures.table([result.summary()], keys=SUMMARY_KEYS))
+        echo("")
+        echo(f"audit db: {config.db}, run {proxy.audit.run_id} (every transition, step "
+             "and scheduling decision)")  # fmt: skip
+        echo(f"explore it: {datasette}")
+        outcome = DemoOutcome(proxy.url, datasette, result)
+        task_status.started(outcome)
     return outcome
 
 

@@ -8,20 +8,17 @@ at ``/council/`` and the job's rows in Datasette can be looked at.
 
 from __future__ import annotations
 
-import importlib
 import json
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import httpx
 import trio
 
-from ..config import load_settings
-from ..runtime import RunningProxy, run
-from ..sim import SimConfig, serve_simulator
+from ..runtime import open_demo
+from ..sim import SimConfig
 
 MODELS = ("council-alpha", "council-bravo", "council-charlie")
 
@@ -107,46 +104,28 @@ async def run_council_demo(
         output_len_dist="lognormal:120:0.3",
         enable_prompt_tokens_details=True,
     )
-    async with trio.open_nursery() as outer:
-        sim_url: str = await outer.start(
-            partial(serve_simulator, sim_config, host="127.0.0.1", port=0)
+    values = {
+        "host": config.host,
+        "port": config.port,
+        "db": config.db,
+        "council_models": ",".join(MODELS),
+        "council_chairman": MODELS[0],
+    }
+    async with open_demo(sim_config, values, wait=config.wait, echo=echo) as (proxy, _sim_url):
+        echo(
+            f"thunderproxy demo --council: {', '.join(MODELS)} on a simulated vLLM, "
+            f"through the proxy at {proxy.url} (each member's calls one tr program)"
         )
-        settings = load_settings(
-            {
-                "host": config.host,
-                "port": config.port,
-                "backends": sim_url,
-                "db": config.db,
-                "log_level": "warning",
-                "council_models": ",".join(MODELS),
-                "council_chairman": MODELS[0],
-            }
-        )
-        if settings.datasette:
-            # The Datasette mount must patch asyncio before Quart loads (explore/mount.py).
-            importlib.import_module("thunderproxy.explore.mount")
-        async with trio.open_nursery() as inner:
-            proxy: RunningProxy = await inner.start(partial(run, settings, handle_signals=True))
-            echo(
-                f"thunderproxy demo --council: {', '.join(MODELS)} on a simulated vLLM, "
-                f"through the proxy at {proxy.url} (each member's calls one tr program)"
-            )
-            echo(f"Question: {config.question}")
-            timeout = httpx.Timeout(None, connect=10.0)
-            async with httpx.AsyncClient(base_url=proxy.url, timeout=timeout) as client:
-                conversation, events = await ask(client, config.question, echo)
-            base = proxy.url.rstrip("/")
-            echo("")
-            echo(f"{len(events)} events, each a row of council_events in {config.db}")
-            echo(f"the page: {base}/council/#{conversation}")
-            if settings.datasette:
-                echo(f"the job in Datasette: {base}/datasette/audit/council_job_timeline"
-                     f"?job_id={events[0]['job_id']}")  # fmt: skip
-            task_status.started(events)
-            if config.wait:
-                echo("the proxy keeps serving so you can look around; Ctrl-C stops it")
-                await proxy.shutdown.wait()
-            else:
-                proxy.shutdown.set()
-        outer.cancel_scope.cancel()
+        echo(f"Question: {config.question}")
+        timeout = httpx.Timeout(None, connect=10.0)
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=timeout) as client:
+            conversation, events = await ask(client, config.question, echo)
+        base = proxy.url.rstrip("/")
+        echo("")
+        echo(f"{len(events)} events, each a row of council_events in {config.db}")
+        echo(f"the page: {base}/council/#{conversation}")
+        if proxy.services.settings.datasette:
+            echo(f"the job in Datasette: {base}/datasette/audit/council_job_timeline"
+                 f"?job_id={events[0]['job_id']}")  # fmt: skip
+        task_status.started(events)
     return events

@@ -6,7 +6,6 @@ loopback HTTP hop is gone.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +15,7 @@ from ..errors import ProgramUnknown, ThunderproxyError
 from ..gateway import Call, Gateway
 from ..http.sse import OPENAI
 from .errors import MemberFailed
-from .llm import ChatEvent, StreamAssembler, chat_body, error_message
+from .llm import ChatEvent, ChatRequest, StreamAssembler, error_message
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -31,27 +30,18 @@ class GatewayChatClient:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    async def stream_chat(
-        self,
-        *,
-        model: str,
-        messages: list[dict[str, Any]],
-        program_id: str,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        max_tokens: int | None = None,
-    ) -> AsyncIterator[ChatEvent]:
-        body = chat_body(model, messages, tools, tool_choice, max_tokens)
+    async def stream_chat(self, request: ChatRequest) -> AsyncIterator[ChatEvent]:
+        model = request.model
         call = Call(
-            program_id=program_id,
+            program_id=request.program_id,
             endpoint=ENDPOINT,
-            body=body,
+            body=request.body(),
             wire=OPENAI,
             arrived_at=trio.current_time(),
             model=model,
             stream=True,
             headers=[("content-type", "application/json")],
-            context_chars=_chars(messages),
+            context_chars=_chars(request.messages),
         )
         assembler = StreamAssembler()
         try:
@@ -74,18 +64,7 @@ class GatewayChatClient:
                             data = line[5:].strip()
                             if data == b"[DONE]":
                                 continue
-                            try:
-                                payload = json.loads(data)
-                            except ValueError:
-                                raise MemberFailed(
-                                    f"Model {model!r} sent an unreadable stream chunk: "
-                                    f"{data[:120]!r}"
-                                ) from None
-                            if isinstance(payload, dict) and "error" in payload:
-                                raise MemberFailed(
-                                    f"Model {model!r} failed mid-answer: {error_message(data)}"
-                                )
-                            for event in assembler.feed(payload):
+                            for event in assembler.feed_data(model, data):
                                 yield event
                 finally:
                     # Closed here if the member is cancelled mid-answer, not by the collector.

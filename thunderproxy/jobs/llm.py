@@ -49,19 +49,39 @@ class Finished:
 ChatEvent = TextDelta | Finished
 
 
+@dataclass(frozen=True)
+class ChatRequest:
+    """One chat completion a member asks for, whichever client sends it: the model, the
+    conversation so far, the member's program, and the tools it may call."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    program_id: str
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    max_tokens: int | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The streamed request, usage included (the tool loop needs the counts)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": self.messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.tools:
+            body["tools"] = self.tools
+        if self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        return body
+
+
 class ChatClient(Protocol):
     """What the council needs from a model: stream one chat completion, release a program."""
 
-    def stream_chat(
-        self,
-        *,
-        model: str,
-        messages: list[dict[str, Any]],
-        program_id: str,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        max_tokens: int | None = None,
-    ) -> AsyncIterator[ChatEvent]: ...
+    def stream_chat(self, request: ChatRequest) -> AsyncIterator[ChatEvent]: ...
 
     async def release(self, program_id: str) -> None: ...
 
@@ -117,6 +137,20 @@ class StreamAssembler:
                 self.finish_reason = choice["finish_reason"]
         return events
 
+    def feed_data(self, model: str, data: str | bytes) -> list[ChatEvent]:
+        """One ``data:`` payload of ``model``'s stream, as the client read it (text or bytes),
+        fed as a chunk; a payload that is not JSON, or is an error event, fails the member."""
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise MemberFailed(
+                f"Model {model!r} sent an unreadable stream chunk: {data[:120]!r}"
+            ) from None
+        if isinstance(chunk, dict) and "error" in chunk:
+            raw = data.encode() if isinstance(data, str) else data
+            raise MemberFailed(f"Model {model!r} failed mid-answer: {error_message(raw)}")
+        return self.feed(chunk)
+
     def finished(self) -> Finished:
         calls = tuple(
             ToolCall(parts.id or f"call_{index}", parts.name, "".join(parts.arguments) or "{}")
@@ -138,29 +172,6 @@ def error_message(raw: bytes) -> str:
     return raw[:200].decode("utf-8", "replace")
 
 
-def chat_body(
-    model: str,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    tool_choice: Any,
-    max_tokens: int | None,
-) -> dict[str, Any]:
-    """A member's streamed chat request, usage included (the tool loop needs the counts)."""
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": messages,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if tools:
-        body["tools"] = tools
-    if tool_choice is not None:
-        body["tool_choice"] = tool_choice
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
-    return body
-
-
 class HttpChatClient:
     """``ChatClient`` over an OpenAI-compatible base URL (a thunderproxy or any server)."""
 
@@ -169,18 +180,10 @@ class HttpChatClient:
         self.client = client
         self._headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
 
-    async def stream_chat(
-        self,
-        *,
-        model: str,
-        messages: list[dict[str, Any]],
-        program_id: str,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        max_tokens: int | None = None,
-    ) -> AsyncIterator[ChatEvent]:
-        body = chat_body(model, messages, tools, tool_choice, max_tokens)
-        body["program_id"] = program_id  # the proxy in front schedules the member's program
+    async def stream_chat(self, request: ChatRequest) -> AsyncIterator[ChatEvent]:
+        model = request.model
+        body = request.body()
+        body["program_id"] = request.program_id  # the proxy in front schedules the program
         url = self.base_url + "/v1/chat/completions"
         assembler = StreamAssembler()
         try:
@@ -197,17 +200,7 @@ class HttpChatClient:
                     data = line[5:].strip()
                     if data == "[DONE]":
                         break
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        raise MemberFailed(
-                            f"Model {model!r} sent an unreadable stream chunk: {data[:120]!r}"
-                        ) from None
-                    if isinstance(chunk, dict) and "error" in chunk:
-                        raise MemberFailed(
-                            f"Model {model!r} failed mid-answer: {error_message(data.encode())}"
-                        )
-                    for event in assembler.feed(chunk):
+                    for event in assembler.feed_data(model, data):
                         yield event
         except httpx.HTTPError as exc:
             raise MemberFailed(f"Model {model!r} could not be reached at {url}: {exc!r}") from exc

@@ -16,7 +16,7 @@ import trio
 from . import council
 from .council import MemberAnswer, MemberRanking, Turn
 from .errors import JobFailed, MemberFailed
-from .llm import ChatClient, TextDelta, ToolCall, closing
+from .llm import ChatClient, ChatRequest, TextDelta, ToolCall, closing
 from .tools import Toolbox, answer_with_tools
 
 #: Streamed text is saved and sent in pieces at most this far apart (trio seconds): one event
@@ -155,7 +155,7 @@ async def stream_text(
 ) -> str:
     parts = []
     stream = client.stream_chat(
-        model=model, messages=messages, program_id=program, max_tokens=max_tokens
+        ChatRequest(model=model, messages=messages, program_id=program, max_tokens=max_tokens)
     )
     async with closing(stream) as events:
         async for event in events:

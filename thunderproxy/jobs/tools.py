@@ -21,7 +21,7 @@ import httpx
 import trio
 
 from .errors import ToolFailed
-from .llm import ChatClient, Finished, TextDelta, ToolCall, closing
+from .llm import ChatClient, ChatRequest, Finished, TextDelta, ToolCall, closing
 
 #: Redirects followed by ``fetch_url``, each checked like the first address.
 MAX_REDIRECTS = 5
@@ -308,11 +308,13 @@ async def answer_with_tools(
         text: list[str] = []
         finished = Finished(None)
         stream = client.stream_chat(
-            model=model,
-            messages=history,
-            program_id=program_id,
-            tools=toolbox.definitions() if offer and toolbox is not None else None,
-            max_tokens=max_tokens,
+            ChatRequest(
+                model=model,
+                messages=history,
+                program_id=program_id,
+                tools=toolbox.definitions() if offer and toolbox is not None else None,
+                max_tokens=max_tokens,
+            )
         )
         async with closing(stream) as events:
             async for event in events:

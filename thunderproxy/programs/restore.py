@@ -15,16 +15,12 @@ from .state import Program, ProgramStatus
 
 @dataclass(frozen=True)
 class RestoredProgram:
-    program_id: str
+    """A program live at the end of the db's history (``row``, as recorded) and the status it
+    comes back in."""
+
+    row: LiveProgram
     status: ProgramStatus
     previous_status: ProgramStatus
-    backend: str | None
-    step_count: int
-    tokens: int
-    model: str | None
-    last_at_unix: float
-    created_at_unix: float
-    source: str | None = None
 
 
 def load(path: str) -> list[RestoredProgram]:
@@ -35,33 +31,24 @@ def load(path: str) -> list[RestoredProgram]:
 
 def restored(row: LiveProgram) -> RestoredProgram:
     previous = ProgramStatus(row.status)
-    return RestoredProgram(
-        program_id=row.program_id,
-        status=ProgramStatus.PAUSED if previous is ProgramStatus.PAUSED else ProgramStatus.ACTING,
-        previous_status=previous,
-        backend=row.backend,
-        step_count=row.step_count,
-        tokens=row.tokens,
-        model=row.model,
-        last_at_unix=row.last_at_unix,
-        created_at_unix=row.created_at_unix,
-        source=row.source,
-    )
+    status = ProgramStatus.PAUSED if previous is ProgramStatus.PAUSED else ProgramStatus.ACTING
+    return RestoredProgram(row, status, previous)
 
 
 def rebuild(item: RestoredProgram, *, now: float, wall_now: float) -> Program:
     """The in-memory Program for a restored row, its times mapped onto this run's clock."""
-    last = now - max(0.0, wall_now - item.last_at_unix)
+    row = item.row
+    last = now - max(0.0, wall_now - row.last_at_unix)
     program = Program(
-        program_id=item.program_id,
-        created_at=now - max(0.0, wall_now - item.created_at_unix),
+        program_id=row.program_id,
+        created_at=now - max(0.0, wall_now - row.created_at_unix),
         status=item.status,
-        backend=item.backend,
-        model=item.model,
-        step_count=item.step_count,
-        total_tokens=item.tokens,
+        backend=row.backend,
+        model=row.model,
+        step_count=row.step_count,
+        total_tokens=row.tokens,
         last_activity=last,
-        source=item.source,
+        source=row.source,
     )
     if item.status is ProgramStatus.PAUSED:
         program.paused_since = last

@@ -236,16 +236,7 @@ async def serve_messages(app: SimApp, request: Request) -> None:
 
     async def respond(handle: RequestHandle, rid: str, fault: str | None) -> None:
         frontend = MessagesFrontend(app, parsed, "chatcmpl-" + rid, plan)
-        await answer(
-            app,
-            request,
-            handle,
-            frontend,
-            stream=parsed.stream,
-            max_tokens=parsed.max_tokens,
-            fault=fault,
-            extra=extra,
-        )
+        await answer(app, request, handle, frontend, parsed, fault=fault, extra=extra)
 
     try:
         await app.execute(request, parsed, respond, script=script)

@@ -55,16 +55,7 @@ async def serve_chat_with_tools(app: SimApp, request: Request, body: dict[str, A
                 await app._complete(request, parsed, handle, builder, fault, extra)
             return
         frontend = ChatToolFrontend(app, parsed, builder, plan)
-        await answer(
-            app,
-            request,
-            handle,
-            frontend,
-            stream=parsed.stream,
-            max_tokens=parsed.max_tokens,
-            fault=fault,
-            extra=extra,
-        )
+        await answer(app, request, handle, frontend, parsed, fault=fault, extra=extra)
 
     await app.execute(request, parsed, respond, script=script)
 

@@ -217,16 +217,7 @@ async def serve_responses(app: SimApp, request: Request, store: ResponseStore) -
         frontend.on_done = (
             (lambda final: store.put(final, messages, cfg.responses_store_size)) if keep else None
         )
-        await answer(
-            app,
-            request,
-            handle,
-            frontend,
-            stream=parsed.stream,
-            max_tokens=parsed.max_tokens,
-            fault=fault,
-            extra=extra,
-        )
+        await answer(app, request, handle, frontend, parsed, fault=fault, extra=extra)
 
     await app.execute(request, parsed, respond, script=script)
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from .engine import RequestHandle, StepOutput
-from .protocol import APIError
+from .protocol import APIError, GenerateRequest
 from .responses import dumps
 from .tokenizer import TextGenerator
 from .tools import ToolCallPlan, ToolSpec, plan_tool_call, prompt_digest
@@ -102,15 +102,14 @@ async def answer(
     request: Request,
     handle: RequestHandle,
     frontend: Frontend,
+    parsed: GenerateRequest,
     *,
-    stream: bool,
-    max_tokens: int,
     fault: str | None,
     extra: list[tuple[bytes, bytes]],
 ) -> None:
     from .app import respond_json
 
-    if not stream:
+    if not parsed.stream:
         texts = []
         last = None
         async for out in handle:
@@ -130,7 +129,7 @@ async def answer(
         await send(
             {"type": "http.response.body", "body": "".join(head).encode(), "more_body": True}
         )
-    fail_at = max(1, max_tokens // 2) if fault == "stream" else None
+    fail_at = max(1, parsed.max_tokens // 2) if fault == "stream" else None
     interval = app.config.flush_interval()
     last_flush = -1e18
     done = False
