@@ -103,6 +103,10 @@ APP_TASKS: tuple[Key, ...] = (
     ("thunderproxy/http/fastpath.py", "_cancel_on_disconnect"),
 )
 REQUESTS: Key = ("thunderproxy/gateway.py", "_close")
+#: One call per upstream read of a chunked body: how many reads the chunks of a request took
+#: (fewer when the proxy fell behind and one read brought several), which the per-chunk
+#: phases scale with.
+READS: Key = ("thunderproxy/backends/h1.py", "feed")
 LOOP: Key = ("trio/_core/_run.py", "unrolled_run")
 MAIN: Key = ("thunderproxy/runtime.py", "run")
 
@@ -114,6 +118,7 @@ class Profile:
     #: (phase, µs per request), the app's own frames and the rest last.
     phases: list[tuple[str, float]]
     total_us: float
+    reads_per_request: float
 
 
 def _index(stats: pstats.Stats) -> dict[Key, tuple[int, float, float]]:
@@ -161,7 +166,8 @@ def analyse(path: str) -> Profile:
     phases.append(("the app around the edge: Quart, or the fast path", 1e6 * app / requests))
     rest = max(0.0, busy - named - app)
     phases.append(("loop and rest: trio scheduling, background tasks", 1e6 * rest / requests))
-    return Profile(path, requests, phases, 1e6 * busy / requests)
+    reads = _find(index, READS)[0] / requests
+    return Profile(path, requests, phases, 1e6 * busy / requests, reads)
 
 
 def phases_seconds(phases: Sequence[tuple[str, float]], index: int, requests: int) -> float:
@@ -175,10 +181,12 @@ def table(profiles: Sequence[Profile]) -> str:
     for i, (name, _) in enumerate(profiles[0].phases):
         cells = " | ".join(f"{p.phases[i][1]:,.0f}" for p in profiles)
         lines.append(f"| {name} | {cells} |")
-    lines.append(
-        "| **total per request** | " + " | ".join(f"**{p.total_us:,.0f}**" for p in profiles) + " |"
-    )
-    lines.append("| requests in the dump | " + " | ".join(str(p.requests) for p in profiles) + " |")
+    totals = " | ".join(f"**{p.total_us:,.0f}**" for p in profiles)
+    lines.append(f"| **total per request** | {totals} |")
+    counts = " | ".join(str(p.requests) for p in profiles)
+    lines.append(f"| requests in the dump | {counts} |")
+    reads = " | ".join(f"{p.reads_per_request:.1f}" for p in profiles)
+    lines.append(f"| upstream reads per request | {reads} |")
     return "\n".join(lines)
 
 
