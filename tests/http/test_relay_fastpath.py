@@ -235,3 +235,52 @@ async def test_a_streamed_call_skips_quart_and_its_tasks(
     # Hypercorn spawns the same tasks for both (the request's, and its idle-connection
     # watcher); quart-trio adds a nursery of two, the fast path one (the disconnect watcher).
     assert fast["tasks"] == quart["tasks"] - 1, (fast, quart)
+
+
+async def answers(tmp_path: Path) -> list[tuple[int, dict[str, str], bytes]]:
+    """Status, headers (less the date) and body of a few refused and answered calls, and the
+    rejection rows they left."""
+    await trio.Path(tmp_path).mkdir()
+    hi = [{"role": "user", "content": "hi"}]
+    requests: list[tuple[str, bytes, dict[str, bytes]]] = [
+        ("/v1/chat/completions", b"{not json", {}),
+        ("/v1/chat/completions", json.dumps({"model": "nope", "messages": hi}).encode(), {}),
+        ("/v1/messages", json.dumps({"model": "m"}).encode(), {}),
+        ("/v1/chat/completions", json.dumps({"model": "m", "messages": hi}).encode(), {}),
+        ("/v1/chat/completions", b"{}", {"x-program-id": b"\xff"}),
+        ("/v1/responses", b"[]", {}),
+    ]
+    seen: list[tuple[int, dict[str, str], bytes]] = []
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, serve_burst_backend, 0, host="127.0.0.1")
+        )
+        backend_port = listeners[0].socket.getsockname()[1]
+        db = tmp_path / "audit.db"
+        async with (
+            running_proxy(
+                db,
+                backends=f"http://127.0.0.1:{backend_port}",
+                metrics_interval=600.0,
+                datasette=False,
+            ) as proxy,
+            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+        ):
+            for path, content, headers in requests:
+                r = await client.post(path, content=content, headers=headers)
+                kept = {k: v for k, v in r.headers.items() if k not in ("date", "x-request-id")}
+                seen.append((r.status_code, kept, r.content))
+        nursery.cancel_scope.cancel()
+    rows = query(db, "select method, path, status, error_type, message from rejections")
+    seen.append((len(rows), {}, json.dumps(rows).encode()))
+    return seen
+
+
+async def test_the_fast_path_answers_as_the_quart_route_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = await answers(tmp_path / "fast")
+    monkeypatch.setattr(FastRoutes, "route", staticmethod(lambda scope: None))
+    quart = await answers(tmp_path / "quart")
+    assert [status for status, _, _ in fast[:-1]] == [400, 404, 400, 200, 400, 400]
+    assert fast == quart
