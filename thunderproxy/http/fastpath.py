@@ -7,6 +7,8 @@ URL routing, the before- and after-request hooks, a ``Response`` and its body wr
 more generator layer per relayed chunk. Here the ASGI scope goes straight to the same edge
 (``Edges.handle``), and each chunk straight to the server's ``send``. Everything else (the
 admin and listing routes, count_tokens, the passthrough, the council) still goes to Quart.
+What it saved, and how much of a call's cost is the server's own: docs/BENCHMARKS.md, "Per
+request: where the CPU goes".
 
 What the Quart route did around the edge is done here too, in the same order, so both paths
 answer alike (tests/http/test_relay_fastpath.py checks that these paths take this one):
