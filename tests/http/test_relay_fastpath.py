@@ -21,6 +21,8 @@ import pytest
 import trio
 
 from tests.conftest import query, running_proxy
+from thunderproxy.http.app import ProxyHTTPConnection
+from thunderproxy.http.fastpath import FastRoutes
 
 EVENTS = 40
 METRICS = (
@@ -154,3 +156,131 @@ async def test_a_burst_of_events_goes_downstream_in_a_few_writes(
         assert writes <= 4, f"{writes} downstream writes for {EVENTS} events in one upstream write"
 
     await relay_one_stream(tmp_path, counter, check)
+
+
+class TaskCounter(trio.abc.Instrument):
+    """Counts the trio tasks spawned while it is installed."""
+
+    def __init__(self) -> None:
+        self.spawned = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.spawned += 1
+
+
+async def relay_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """One streamed call on a warm keep-alive connection: how many exchanges went through
+    Quart and through the fast path, and how many tasks the proxy spawned for it."""
+    await trio.Path(tmp_path).mkdir()
+    seen: Counter[str] = Counter()
+    quart_call = ProxyHTTPConnection.__call__
+    fast_call = FastRoutes.__call__
+
+    async def counted_quart(self_: ProxyHTTPConnection, *args: Any) -> None:
+        seen["quart"] += 1
+        await quart_call(self_, *args)
+
+    async def counted_fast(self_: FastRoutes, *args: Any) -> None:
+        seen["fast"] += 1
+        await fast_call(self_, *args)
+
+    monkeypatch.setattr(ProxyHTTPConnection, "__call__", counted_quart)
+    monkeypatch.setattr(FastRoutes, "__call__", counted_fast)
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, serve_burst_backend, 0, host="127.0.0.1")
+        )
+        backend_port = listeners[0].socket.getsockname()[1]
+        async with (
+            running_proxy(
+                tmp_path / "audit.db",
+                backends=f"http://127.0.0.1:{backend_port}",
+                metrics_interval=600.0,
+                datasette=False,
+            ) as proxy,
+            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+        ):
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            with trio.fail_after(30):
+                # The first call opens the client's connection and the backend's: not counted.
+                for counted in (False, True):
+                    seen.clear()
+                    tasks = TaskCounter()
+                    if counted:
+                        trio.lowlevel.add_instrument(tasks)
+                    try:
+                        async with client.stream(
+                            "POST", "/v1/chat/completions", json=body
+                        ) as response:
+                            assert response.status_code == 200
+                            assert [line async for line in response.aiter_lines() if line]
+                    finally:
+                        if counted:
+                            trio.lowlevel.remove_instrument(tasks)
+        nursery.cancel_scope.cancel()
+    return {**seen, "tasks": tasks.spawned}
+
+
+async def test_a_streamed_call_skips_quart_and_its_tasks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = await relay_counted(tmp_path / "fast", monkeypatch)
+    # The same call with the fast path turned away: Quart's route serves it.
+    monkeypatch.setattr(FastRoutes, "route", staticmethod(lambda scope: None))
+    quart = await relay_counted(tmp_path / "quart", monkeypatch)
+    assert fast.get("fast") == 1, fast
+    assert not fast.get("quart"), fast
+    assert quart.get("quart") == 1, quart
+    assert not quart.get("fast"), quart
+    # Hypercorn spawns the same tasks for both (the request's, and its idle-connection
+    # watcher); quart-trio adds a nursery of two, the fast path one (the disconnect watcher).
+    assert fast["tasks"] == quart["tasks"] - 1, (fast, quart)
+
+
+async def answers(tmp_path: Path) -> list[tuple[int, dict[str, str], bytes]]:
+    """Status, headers (less the date) and body of a few refused and answered calls, and the
+    rejection rows they left."""
+    await trio.Path(tmp_path).mkdir()
+    hi = [{"role": "user", "content": "hi"}]
+    requests: list[tuple[str, bytes, dict[str, bytes]]] = [
+        ("/v1/chat/completions", b"{not json", {}),
+        ("/v1/chat/completions", json.dumps({"model": "nope", "messages": hi}).encode(), {}),
+        ("/v1/messages", json.dumps({"model": "m"}).encode(), {}),
+        ("/v1/chat/completions", json.dumps({"model": "m", "messages": hi}).encode(), {}),
+        ("/v1/chat/completions", b"{}", {"x-program-id": b"\xff"}),
+        ("/v1/responses", b"[]", {}),
+    ]
+    seen: list[tuple[int, dict[str, str], bytes]] = []
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, serve_burst_backend, 0, host="127.0.0.1")
+        )
+        backend_port = listeners[0].socket.getsockname()[1]
+        db = tmp_path / "audit.db"
+        async with (
+            running_proxy(
+                db,
+                backends=f"http://127.0.0.1:{backend_port}",
+                metrics_interval=600.0,
+                datasette=False,
+            ) as proxy,
+            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+        ):
+            for path, content, headers in requests:
+                r = await client.post(path, content=content, headers=headers)
+                kept = {k: v for k, v in r.headers.items() if k not in ("date", "x-request-id")}
+                seen.append((r.status_code, kept, r.content))
+        nursery.cancel_scope.cancel()
+    rows = query(db, "select method, path, status, error_type, message from rejections")
+    seen.append((len(rows), {}, json.dumps(rows).encode()))
+    return seen
+
+
+async def test_the_fast_path_answers_as_the_quart_route_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = await answers(tmp_path / "fast")
+    monkeypatch.setattr(FastRoutes, "route", staticmethod(lambda scope: None))
+    quart = await answers(tmp_path / "quart")
+    assert [status for status, _, _ in fast[:-1]] == [400, 404, 400, 200, 400, 400]
+    assert fast == quart

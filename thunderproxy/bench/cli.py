@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -167,13 +168,20 @@ def _progress_factory(enabled: bool | None) -> Any:
 @click.option("--overhead", is_flag=True,
               help="Measure proxy overhead instead (a fast trivial backend; --sweep gives "
               "the stream counts, default 1,32,128; --target picks thunderproxy's routers "
-              "and the relays to compare: default, tr, fastapi, litellm).")  # fmt: skip
+              "and the relays to compare: default, tr, floor, fastapi, litellm).")  # fmt: skip
 @click.option(
     "--overhead-seconds",
     default=10.0,
     show_default=True,
     type=float,
     help="--overhead: measured seconds per cell.",
+)
+@click.option(
+    "--overhead-profile",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="--overhead: run each router under cProfile over its measured window and leave "
+    "DIR/<router>-<streams>.prof (read with python -m thunderproxy.bench.requestcost).",
 )
 def bench_command(
     trace: str,
@@ -207,6 +215,7 @@ def bench_command(
     progress: bool | None,
     overhead: bool,
     overhead_seconds: float,
+    overhead_profile: str | None,
 ) -> None:
     """Replay agentic traces through a target against simulated backends and measure it.
 
@@ -229,7 +238,7 @@ def bench_command(
     """
     try:
         if overhead:
-            _overhead(targets, sweep, overhead_seconds, json_path)
+            _overhead(targets, sweep, overhead_seconds, json_path, overhead_profile)
             return
         config = BenchConfig(
             trace=trace,
@@ -314,12 +323,18 @@ def _print_report(report: BenchReport) -> None:
         click.echo(f"\nstored as bench run {report.bench_run_id}")
 
 
-def _overhead(targets: str, sweep: str, seconds: float, json_path: str | None) -> None:
+def _overhead(
+    targets: str, sweep: str, seconds: float, json_path: str | None, profile: str | None = None
+) -> None:
     from . import overhead
 
     chosen = overhead.parse_targets(targets)
     concurrencies = parse_int_list(sweep, flag="--sweep") or (1, 32, 128)
-    config = overhead.OverheadConfig(concurrencies=concurrencies, targets=chosen, seconds=seconds)
+    config = overhead.OverheadConfig(
+        concurrencies=concurrencies, targets=chosen, seconds=seconds, profile_dir=profile
+    )
+    if profile is not None:
+        os.makedirs(profile, exist_ok=True)
     with ungrouped_errors():
         cells = trio.run(overhead.run_overhead, config)
     rows = overhead.report(cells)

@@ -16,6 +16,7 @@ import importlib.util
 import os
 import re
 import resource
+import signal
 import socket
 import sys
 import tempfile
@@ -28,7 +29,7 @@ import trio
 
 from ..config import load_settings
 from ..errors import ConfigError
-from . import figures
+from . import figures, requestcost
 from .agent import BenchError
 from .realtime import (
     PROXY_LISTENING,
@@ -42,9 +43,11 @@ from .realtime import (
 
 CHAT = "/v1/chat/completions"
 
-#: The proxy's own routers, and the other relays measured beside them.
+#: The proxy's own routers, and the other relays measured beside them. ``floor`` is this
+#: stack's own floor: a bare ASGI relay on Hypercorn with the proxy's HTTP/1.1 client, no
+#: gateway (``relay_floor.py``).
 ROUTERS = ("default", "tr")
-RELAYS = ("fastapi", "litellm")
+RELAYS = ("floor", "fastapi", "litellm")
 TARGETS = (*ROUTERS, *RELAYS)
 #: How to install what a relay needs, when it is missing.
 INSTALL = "pip install 'thunderproxy[bench]'"
@@ -120,6 +123,9 @@ class OverheadConfig:
     interval_ms: float = 20.0
     #: Characters of the prompt (about four per token).
     prompt_chars: int = 4_000
+    #: Where each router's cell leaves a cProfile dump of its measured window (None: not
+    #: profiled; see ``requestcost.py``).
+    profile_dir: str | None = None
 
 
 @dataclass
@@ -180,6 +186,7 @@ async def measure(
     config: OverheadConfig,
     *,
     proxy: Child | None,
+    profiled: bool = False,
 ) -> Cell:
     body_text = "word " * (config.prompt_chars // 5)
     start = trio.current_time()
@@ -191,6 +198,8 @@ async def measure(
         await trio.sleep_until(measure_from)
         cpu_at["proxy"] = None if proxy is None else process_cpu_seconds(proxy.pid)
         cpu_at["client"] = client_cpu()
+        if profiled and proxy is not None:
+            os.kill(proxy.pid, signal.SIGUSR1)  # requestcost.record: the profile starts now
 
     async def stream(i: int) -> None:
         body: dict[str, Any] = {
@@ -300,14 +309,22 @@ async def run_overhead(config: OverheadConfig) -> list[Cell]:
                         if reason is not None:
                             cells.append(Cell(target, concurrency, skipped=reason))
                             continue
+                        profile = None
+                        if config.profile_dir is not None and target in ROUTERS:
+                            profile = str(Path(config.profile_dir) / f"{target}-{concurrency}.prof")
                         proxy = await start_target(
-                            nursery, target, backend.url, Path(scratch), concurrency
+                            nursery, target, backend.url, Path(scratch), concurrency, profile
                         )
                         try:
                             await warm_up(client, proxy.url, config)
                             idle = await idle_cpu(proxy, config.idle_s)
                             cell = await measure(
-                                client, proxy.url, Cell(target, concurrency), config, proxy=proxy
+                                client,
+                                proxy.url,
+                                Cell(target, concurrency),
+                                config,
+                                proxy=proxy,
+                                profiled=profile is not None,
                             )
                             cell.proxy_idle_cpu = idle
                             cells.append(cell)
@@ -320,9 +337,15 @@ async def run_overhead(config: OverheadConfig) -> list[Cell]:
 
 
 async def start_target(
-    nursery: trio.Nursery, target: str, backend: str, scratch: Path, concurrency: int
+    nursery: trio.Nursery,
+    target: str,
+    backend: str,
+    scratch: Path,
+    concurrency: int,
+    profile: str | None = None,
 ) -> Child:
-    """A fresh process of ``target`` in front of ``backend``."""
+    """A fresh process of ``target`` in front of ``backend`` (a router's run under cProfile
+    when ``profile`` names its dump)."""
     if target in ROUTERS:
         settings = load_settings(
             host="127.0.0.1",
@@ -333,7 +356,12 @@ async def start_target(
             restore=False,
         )
         argv = serve_argv(settings)
+        if profile is not None:
+            argv = requestcost.record_argv(profile, argv)
         return await start_child(nursery, f"thunderproxy ({target})", argv, PROXY_LISTENING)
+    if target == "floor":
+        argv = [sys.executable, "-m", "thunderproxy.bench.relay_floor", "--backend", backend]
+        return await start_child(nursery, "floor relay", argv, PROXY_LISTENING)
     if target == "fastapi":
         argv = [sys.executable, "-m", "thunderproxy.bench.relay_fastapi", "--backend", backend]
         return await start_child(nursery, "fastapi relay", argv, PROXY_LISTENING)

@@ -20,15 +20,11 @@ from ..backends import BackendPool
 from ..clock import WallClock
 from ..config import Settings
 from ..errors import (
-    HeadersTooLarge,
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
-    PayloadTooLarge,
     ProfilingDisabled,
     ProgramUnknown,
-    RequestTimeout,
-    ShuttingDown,
     ThunderproxyError,
     describe,
 )
@@ -45,6 +41,13 @@ from .auth import require_admin
 from .drain import Drain
 from .edges import Edges, error_shape
 from .errors import error_response
+from .fastpath import (
+    FastRoutes,
+    body_too_slow,
+    headers_too_large,
+    payload_too_large,
+    shutting_down,
+)
 from .guard import PassthroughGuard, parse_prefixes, reads_allowed
 from .listing import next_link, page, parse_query
 from .proxy import CLEANUP_KEY, RECORDED_KEY, Proxy, parse_json_object
@@ -131,6 +134,17 @@ class ThunderproxyApp(QuartTrio):
     asgi_http_class = ProxyHTTPConnection
     #: Set by create_app; the runtime begins it on SIGTERM (http/drain.py).
     drain: Drain
+    #: The LLM routes as raw ASGI (http/fastpath.py); None sends everything to Quart.
+    fast: FastRoutes | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        fast = self.fast
+        if fast is not None:
+            protocol = fast.route(scope)
+            if protocol is not None:
+                await fast(scope, receive, send, protocol)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def program_view(program: Program, services: Services, *, with_profile: bool) -> dict[str, Any]:
@@ -179,18 +193,33 @@ def create_app(services: Services) -> ThunderproxyApp:
     )
     edges = Edges(gateway=services.gateway, recognizer=services.recognizer)
 
-    def reject(status: int, error_type: str, message: str, program_id: str | None) -> None:
+    def record_rejection(
+        status: int, error_type: str, message: str, program_id: str | None, method: str, path: str
+    ) -> None:
         audit.record(
             RejectionRecord(
                 at=trio.current_time(),
-                method=request.method,
-                path=request.path,
+                method=method,
+                path=path,
                 status=status,
                 error_type=error_type,
                 message=message,
                 program_id=program_id,
             )
         )
+
+    def reject(status: int, error_type: str, message: str, program_id: str | None) -> None:
+        record_rejection(status, error_type, message, program_id, request.method, request.path)
+
+    app.fast = FastRoutes(
+        edges=edges,
+        drain=drain,
+        readiness=services.readiness,
+        reject=record_rejection,
+        max_body_bytes=settings.max_body_bytes,
+        max_header_bytes=settings.max_header_bytes,
+        client_timeout=settings.client_timeout,
+    )
 
     @app.errorhandler(ThunderproxyError)
     async def handle_error(error: ThunderproxyError) -> Response:
@@ -204,14 +233,8 @@ def create_app(services: Services) -> ThunderproxyApp:
         # Quart's own refusals (413 body too large, 408 body too slow, 405, 404), as ours.
         status = error.code or 500
         ours: ThunderproxyError | None = {
-            413: PayloadTooLarge(
-                f"Request body is larger than {settings.max_body_bytes} bytes "
-                "(see --max-body-bytes)."
-            ),
-            408: RequestTimeout(
-                f"Request body not received within {settings.client_timeout} s "
-                "(see --client-timeout)."
-            ),
+            413: payload_too_large(settings.max_body_bytes),
+            408: body_too_slow(settings.client_timeout),
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}."),
         }.get(status)
         if ours is None:
@@ -227,10 +250,7 @@ def create_app(services: Services) -> ThunderproxyApp:
     @app.before_request
     async def refuse_when_draining() -> None:
         if drain.draining:
-            raise ShuttingDown(
-                "thunderproxy is shutting down (SIGTERM/SIGINT) and did not start this request; "
-                "retry it after Retry-After, on another instance or once this one is back."
-            )
+            raise shutting_down()
 
     @app.after_request
     async def close_when_draining(response: Response) -> Response:
@@ -244,10 +264,7 @@ def create_app(services: Services) -> ThunderproxyApp:
         # hypercorn bounds only a head still arriving; a complete one may be larger.
         size = sum(len(name) + len(value) + 4 for name, value in request.headers.items())
         if size > settings.max_header_bytes:
-            raise HeadersTooLarge(
-                f"Request headers are {size} bytes, more than {settings.max_header_bytes} "
-                "(see --max-header-bytes)."
-            )
+            raise headers_too_large(size, settings.max_header_bytes)
 
     @app.before_request
     async def refuse_until_ready() -> None:

@@ -15,8 +15,9 @@ Errors keep each protocol's shape: ``error_shape(path)`` tells the app's error h
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -37,6 +38,8 @@ from ..protocols import Protocol, ProtocolWire
 from ..protocols.anthropic import prepare_count_tokens
 from .proxy import (
     RECORDED_KEY,
+    RESPONSE_OWN,
+    add_cleanup,
     forward_headers,
     on_request_end,
     parse_json_object,
@@ -54,22 +57,32 @@ def error_shape(path: str) -> Protocol | None:
     return protocols.ROUTES.get(path) or protocols.UNSCHEDULED_ROUTES.get(path)
 
 
-def identified_headers() -> Headers:
-    """The request's headers with ``X-Program-Id`` read as UTF-8 text (the server decodes
-    header bytes as latin-1); InvalidRequest if it is not UTF-8."""
-    header = request.headers.get("x-program-id")
-    if header is None:
-        return request.headers
-    headers = Headers(request.headers)
-    headers["X-Program-Id"] = header_text(header, "X-Program-Id")
+def identified_headers(items: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The request's headers by lower-case name, with ``X-Program-Id`` read as UTF-8 text (the
+    server decodes header bytes as latin-1); InvalidRequest if it is not UTF-8."""
+    headers = {name.lower(): value for name, value in items}
+    header = headers.get("x-program-id")
+    if header is not None:
+        headers["x-program-id"] = header_text(header, "X-Program-Id")
     return headers
 
 
-def _upstream_headers() -> list[tuple[str, str]]:
-    headers = forward_headers(request.headers.items(), drop=_NOT_FORWARDED)
+def _upstream_headers(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    headers = forward_headers(items, drop=_NOT_FORWARDED)
     # The taps read the bytes as they pass: a compressed stream would hide its usage.
     headers.append(("accept-encoding", "identity"))
     return headers
+
+
+@dataclass
+class Reply:
+    """An edge's answer, free of any web framework: the Quart route and the raw ASGI fast path
+    (http/fastpath.py) each put it on the wire their own way."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    #: The whole answer, or the relayed stream (an async generator the sender must close).
+    body: bytes | AsyncGenerator[bytes, None]
 
 
 class Edges:
@@ -80,10 +93,29 @@ class Edges:
         self.recognizer = recognizer
 
     async def call(self, protocol: Protocol, endpoint: str) -> Response:
-        """One step of one program, in ``protocol``'s terms."""
+        """One step of one program, in ``protocol``'s terms (Quart's route; the app serves
+        these paths through http/fastpath.py, which calls :meth:`handle` itself)."""
         arrived_at = trio.current_time()
-        body = parse_json_object(await request.get_data(False, False, False))
-        headers = identified_headers()
+        raw = await request.get_data(False, False, False)
+        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
+        items = list(request.headers.items())
+        reply = await self.handle(protocol, endpoint, raw, items, scope, arrived_at)
+        return Response(reply.body, status=reply.status, headers=Headers(reply.headers))
+
+    async def handle(
+        self,
+        protocol: Protocol,
+        endpoint: str,
+        raw: bytes,
+        items: list[tuple[str, str]],
+        scope: dict[str, Any],
+        arrived_at: float,
+    ) -> Reply:
+        """One step of one program from the request's body bytes and header items: checked,
+        recognised and handed to the gateway. The exchange's close is added to ``scope``'s
+        cleanups (``proxy.add_cleanup``), run however the HTTP exchange ends."""
+        body = parse_json_object(raw)
+        headers = identified_headers(items)
         check_identifiers(body)
         if self.recognizer.config.explicit:
             # A malformed program id is named as such, even in a body that has other faults.
@@ -103,24 +135,21 @@ class Edges:
             arrived_at=arrived_at,
             model=prepared.model,
             stream=prepared.stream,
-            headers=_upstream_headers(),
+            headers=_upstream_headers(items),
             context_chars=prepared.prompt_chars,
             hide_usage=prepared.hide_usage,
             source=recognised.source.value,
         )
-        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
         scope[RECORDED_KEY] = True
         exchange = await self.gateway.open(call)
-        on_request_end(exchange.aclose)
-        headers = response_headers(exchange.headers)
+        add_cleanup(scope, exchange.aclose)
+        answer_headers = forward_headers(exchange.headers, drop=RESPONSE_OWN)
         if exchange.is_event_stream:
-            return Response(
-                self._stream(exchange, wire, recognised, body), status=200, headers=headers
-            )
+            return Reply(200, answer_headers, self._stream(exchange, wire, recognised, body))
         content = await exchange.read()
         if exchange.status_code == 200:
             self._learn_from_body(protocol, recognised, body, content)
-        return Response(content, status=exchange.status_code, headers=headers)
+        return Reply(exchange.status_code, answer_headers, content)
 
     async def _stream(
         self,
@@ -128,7 +157,7 @@ class Edges:
         wire: ProtocolWire,
         recognised: Recognised,
         body: dict[str, Any],
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         # Closed here when the client leaves, so the backend's stream is not left to the GC.
         async with aclosing(exchange.stream()) as chunks:  # type: ignore[type-var]
             async for chunk in chunks:
@@ -183,7 +212,9 @@ class Edges:
         sent = prepared.body
         if route.served is not None and route.served != prepared.model:
             sent = {**sent, "model": route.served}
-        upstream = UpstreamRequest("POST", endpoint, _upstream_headers(), json.dumps(sent).encode())
+        upstream = UpstreamRequest(
+            "POST", endpoint, _upstream_headers(request.headers.items()), json.dumps(sent).encode()
+        )
         return await self._send(node, upstream)
 
     async def _send(self, node: BackendNode, upstream: UpstreamRequest) -> Response:

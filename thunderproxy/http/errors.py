@@ -33,6 +33,14 @@ def error_json(error: ThunderproxyError) -> bytes:
 def error_response(error: ThunderproxyError, protocol: Protocol | None = None) -> Response:
     """The error as JSON in ``protocol``'s shape (Anthropic's for Messages; OpenAI's for the
     rest and by default), with Retry-After where waiting helps."""
+    status, headers, content = error_parts(error, protocol)
+    return Response(content, status=status, headers=headers)
+
+
+def error_parts(
+    error: ThunderproxyError, protocol: Protocol | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """``error_response``'s status, headers and body, for senders that are not Quart's."""
     status, error_type = describe(error)
     headers = {"content-type": "application/json"}
     if isinstance(error, (QueueFull, NotReady)):
@@ -48,7 +56,7 @@ def error_response(error: ThunderproxyError, protocol: Protocol | None = None) -
         )
     else:
         content = error_json(error)
-    return Response(content, status=status, headers=headers)
+    return status, headers, content
 
 
 def sse_error_event(error: ThunderproxyError) -> bytes:

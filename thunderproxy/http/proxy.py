@@ -49,7 +49,11 @@ Cleanup = Callable[[], Awaitable[None]]
 def on_request_end(cleanup: Cleanup) -> None:
     """Run ``cleanup`` when this HTTP exchange ends, even if the client vanished before the
     response body was ever started (see http/app.py's connection class)."""
-    scope: dict[str, Any] = request.scope  # type: ignore[assignment]
+    add_cleanup(request.scope, cleanup)  # type: ignore[arg-type]
+
+
+def add_cleanup(scope: dict[str, Any], cleanup: Cleanup) -> None:
+    """``on_request_end`` for code that holds the ASGI scope itself (http/fastpath.py)."""
     scope.setdefault(CLEANUP_KEY, []).append(cleanup)
 
 
