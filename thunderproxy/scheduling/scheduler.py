@@ -21,6 +21,7 @@ from ..audit import AuditLog, DecisionRecord
 from ..backends import BackendNode, BackendPool, Route
 from ..errors import ModelNotFound, NoBackendAvailable, ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
+from . import claims as shared_claims
 from .costs import horizon_s
 from .learners import PromptSizer, program_estimate
 from .policies import Policy, Views
@@ -60,6 +61,14 @@ class Affinity(Protocol):
     def placed(self, program_id: str, backend: str) -> None: ...
 
 
+class Claims(Protocol):
+    """KV claims checked atomically with other instances' (Redis: ``SharedBackends.claim``)."""
+
+    def claim(self, backend: str, demand: int, whole: int) -> Awaitable[bool]: ...
+
+    def others(self, backend: str) -> int: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -71,6 +80,7 @@ class Scheduler:
         clock: Callable[[], float] = trio.current_time,
         other_tokens: Callable[[str], int] | None = None,
         affinity: Affinity | None = None,
+        claims: Claims | None = None,
     ) -> None:
         self.policy = policy
         self.registry = registry
@@ -79,6 +89,9 @@ class Scheduler:
         self._now = clock
         self.source = ViewSource(registry, pool, policy.config, others=other_tokens)
         self.affinity = affinity
+        #: With other instances in front of the same backends, tr's fit test is made again in
+        #: Redis for calls that were not running (``_claim``); None: this instance decides alone.
+        self.claims = claims
         self._waiters = Waiters()
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
@@ -154,15 +167,21 @@ class Scheduler:
             # New here, but another instance may have run it: its cache is on that backend.
             known = await self.affinity.backend_of(program_id)
             program = self.registry.find(program_id)  # another call may have created it meanwhile
+        fresh = program is None  # a first call: its KV claim is new
         if program is None:
             program = self._admit(program_id, route, arrived_at, context_chars, source, known)
         else:
             self._observe_return(program, arrived_at)
             self._gate_return(program, arrived_at, context_chars)
-        # A loop, not an if: between its resume and this task running again, a program could be
-        # paused anew by another task's rebalance (the policy avoids it, this makes it certain).
-        while program.status is ProgramStatus.PAUSED:
-            await self._wait_for_resume(program, arrived_at)
+        while True:
+            # A loop, not an if: between its resume and this task running again, a program
+            # could be paused anew by another task's rebalance (the policy avoids it, this
+            # makes it certain).
+            while program.status is ProgramStatus.PAUSED:
+                await self._wait_for_resume(program, arrived_at)
+                fresh = True
+            if not fresh or await self._claim(program, route, arrived_at):
+                break
         self.registry.set_waiting(program, None)
         node = self.place(program, route)
         if self.affinity is not None:
@@ -189,6 +208,36 @@ class Scheduler:
         )
         self.rebalance(now, backends=[node.url])
         return lease
+
+    async def _claim(self, program: Program, route: Route, arrived_at: float) -> bool:
+        """A call that was not running is about to go out: with other instances sharing the
+        backends, make its KV claim in Redis, where the policy's fit test is made again against
+        every instance's claims at once (claims.py). Refused, the backend is full as far as
+        this instance is concerned: the program waits (False), and resumes where it fits, as
+        if its own view had said so. A program forced back at its bound is not checked."""
+        if self.claims is None or program.protected_until > self._now():
+            return True
+        node = self._choose(program.program_id, program.backend, route)
+        if program.backend != node.url:
+            return True  # its backend is gone: placement moves it, and the gate there follows
+        now = self._now()
+        views = self.views()
+        ask = shared_claims.ask(
+            views.backend(node.url), views.programs, self.config, now, first=not program.step_count
+        )
+        if ask is None or await self.claims.claim(ask.backend, ask.demand, ask.whole):
+            return True
+        if program.status is ProgramStatus.PAUSED or program.program_id not in self.registry:
+            return program.status is not ProgramStatus.PAUSED  # changed meanwhile
+        now = self._now()
+        decision = shared_claims.refused(
+            self.source.program_view(program), ask, self.claims.others(ask.backend)
+        )
+        self._log(decision, now)
+        verb = "queued" if decision.action is Action.QUEUE else "paused"
+        self.registry.pause(program, now, reason=f"{verb}: {decision.rule}")
+        self.registry.set_waiting(program, program.waiting_since or arrived_at)
+        return False
 
     def _held_on(self, url: str) -> int:
         """Calls held back for a backend now: without holding they would be in flight there."""
