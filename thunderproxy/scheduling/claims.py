@@ -41,13 +41,21 @@ class Ask:
 
 
 def ask(
-    b: BackendView, programs: Sequence[ProgramView], cfg: PolicyConfig, now: float, *, first: bool
+    b: BackendView,
+    programs: Sequence[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+    *,
+    first: bool,
+    fill: float | None = None,
 ) -> Ask | None:
     """The check for a call about to go out on ``b``, with ``programs`` already counting it;
     None where the policy lets it go without a fit test (capacity not known yet, or holding
     programs back does not pay there). A program's first call is counted as at admission
-    (``admission_used``), a later one as the resumes count it (``used_tokens``)."""
-    whole = limit(b, cfg, others=False)
+    (``admission_used``), a later one as the resumes count it (``used_tokens``); the target is
+    ``target_fill`` of the capacity, or ``fill`` of it (1.0 for a returning call: the gate on
+    returns lets a running program grow into the whole capacity)."""
+    whole = limit(b, cfg, fill=fill, others=False)
     if whole is None or not b.hold:
         return None
     demand = (admission_used if first else used_tokens)(b, programs, cfg, now)
