@@ -1,11 +1,12 @@
 """KV claims made atomically in a real redis-server (``SharedBackends.claim``, CLAIM_KV): two
 instances claiming the same backend at once never claim more than its target between them; a
 killed ``serve`` process's claims leave every sum within one heartbeat, and a released
-program's as soon as the next beat; with Redis away calls are served on the local view and
-/health says so."""
+program's as soon as the next beat; a refused claim holds the call as a full backend would;
+with Redis away calls are served on the local view and /health says so."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,7 +19,7 @@ import trio
 
 from tests.admission.conftest import RedisServer, free_port
 from tests.admission.test_shared import drain, killed_at_exit
-from tests.conftest import spawn_serving
+from tests.conftest import query, spawn_serving
 from thunderproxy.admission.shared import SharedBackends
 from thunderproxy.sim import SimConfig, open_simulator
 
@@ -211,3 +212,74 @@ async def test_redis_away_calls_are_served_unchecked_and_health_says_so(
         assert shared["last_error"]
         assert shared["claims"] == {"granted": 0, "refused": 0, "unchecked": 3}
         assert health["status"] == "ok"
+
+
+async def test_a_refused_claim_holds_the_call_as_a_full_backend_would(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Instance B's own view says its program's first call fits (it last read the others'
+    claims before instance A claimed most of the backend); the claim in Redis says no, and B
+    queues the call as on a full backend, until its bound forces it out."""
+    kv_tokens, max_wait = 4096, 3.0
+    whole = int(kv_tokens * 0.9)  # --target-fill's default
+
+    async def start(name: str, heartbeat: float) -> str:
+        argv = [sys.executable, "-m", "thunderproxy", "serve", "--port", "0"]
+        argv += ["--backends", sim.url, "--db", str(tmp_path / f"{name}.db"), "--no-datasette"]
+        argv += ["--router", "tr", "--acting-half-life", "0", "--max-wait", str(max_wait)]
+        argv += ["--metrics-interval", "0.2", "--redis", redis_server.url]
+        argv += ["--redis-heartbeat", str(heartbeat)]
+        process, url = await spawn_serving(argv)
+        procs.append((process, url))
+        logs.start_soon(drain, process, tmp_path / f"{name}.log")
+        return url
+
+    def call(program: str, chars: int) -> dict[str, Any]:
+        # Distinct from the first character: no prefix shared between programs.
+        text = (program + " " + "abcdefgh " * (chars // 9))[:chars]
+        return {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 8,
+            "program_id": program,
+        }
+
+    async with (
+        open_simulator(SimConfig(time_scale=0.02, kv_capacity_tokens=kv_tokens)) as sim,
+        killed_at_exit() as procs,
+        trio.open_nursery() as logs,
+        instance(redis_server.url, "observer", dict, heartbeat_s=0.2) as observer,
+    ):
+        # B first, beating every 30 s: what it knows of the others' claims is from its start.
+        b_url = await start("b", 240.0)
+        a_url = await start("a", 0.2)
+        async with httpx.AsyncClient(timeout=30) as client:
+            for program in ("a1", "a2"):
+                r = await client.post(f"{a_url}/v1/chat/completions", json=call(program, 4000))
+                assert r.status_code == 200, r.text
+            # A's claims once both calls have ended (two reads a few beats apart agree).
+            claimed, seen = 0, -1
+            with trio.fail_after(5):
+                while not claimed or claimed != seen:
+                    seen = claimed
+                    await trio.sleep(0.3)
+                    claimed = observer.others(sim.url)
+            # Sized (4 characters a token until measured) to fit alone but not beside A's.
+            tokens = whole - claimed - 256 + 200
+            assert 0 < tokens + 256 <= whole, claimed
+            started = trio.current_time()
+            r = await client.post(f"{b_url}/v1/chat/completions", json=call("b1", 4 * tokens))
+            assert r.status_code == 200, r.text
+            waited = trio.current_time() - started
+            health = (await client.get(f"{b_url}/health")).json()["shared_kv"]
+        for process, _ in procs:
+            process.terminate()
+    assert health["claims"]["refused"] == 1, health
+    assert waited >= max_wait - 0.5
+    rows = query(tmp_path / "b.db", "select action, rule, detail from decisions order by id")
+    assert [(row["action"], row["rule"]) for row in rows] == [
+        ("admit", "fits"),
+        ("queue", "claim_refused"),
+        ("force_resume", "max_wait"),
+    ]
+    assert json.loads(rows[1]["detail"])["others_tokens"] == claimed
