@@ -407,6 +407,9 @@ class SharedBackends:
         self.granted = 0
         self.refused = 0
         self.unchecked = 0
+        #: Seconds the checked claims took (a round trip, and any wait for a connection).
+        self._claim_s = 0.0
+        self._claim_s_max = 0.0
         #: Tokens the other live instances claim on each backend, from the last answer.
         self._others: dict[str, int] = {}
         self._others_at: float | None = None
@@ -490,6 +493,7 @@ class SharedBackends:
             self.unchecked += 1
             return True
         head, pairs = self._args(self._mine())
+        started = trio.current_time()
         try:
             with trio.fail_after(COMMAND_TIMEOUT_S):
                 self.round_trips += 1
@@ -500,6 +504,9 @@ class SharedBackends:
             self._away(exc)
             self.unchecked += 1
             return True
+        took = trio.current_time() - started
+        self._claim_s += took
+        self._claim_s_max = max(self._claim_s_max, took)
         if self._answered(answer) == 1:
             self.granted += 1
             return True
@@ -572,6 +579,7 @@ class SharedBackends:
     def statistics(self) -> dict[str, Any]:
         return {
             "url": self.url,
+            "instance": self.instance,
             "reachable": self.reachable,
             "away_since_s": None
             if self.away_since is None
@@ -583,6 +591,8 @@ class SharedBackends:
                 "granted": self.granted,
                 "refused": self.refused,
                 "unchecked": self.unchecked,
+                "mean_ms": round(1000 * self._claim_s / max(1, self.granted + self.refused), 3),
+                "max_ms": round(1000 * self._claim_s_max, 3),
             },
             "last_error": self.last_error,
             "round_trips": self.round_trips,

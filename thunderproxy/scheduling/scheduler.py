@@ -190,11 +190,15 @@ class Scheduler:
             # A returning call the gate found room for grows the program's claim to its whole
             # context: checked too (against the whole capacity, as the gate does).
             grows = gate.program_tokens if gate is not None and gate.rule == "fits" else None
-            if not (fresh or grows) or await self._claim(
+            gate = None
+            if (fresh or grows) and not await self._claim(
                 program, route, arrived_at, context_chars, grows
             ):
+                continue  # refused: it waits, as on a full backend
+            # (Read again: another task's rebalance may have paused it while its claim was
+            # checked, and then it waits too.)
+            if program.status not in (ProgramStatus.PAUSED,):
                 break
-            gate = None
         self.registry.set_waiting(program, None)
         node = self.place(program, route)
         if self.affinity is not None:
