@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -328,8 +328,8 @@ local function write(first)
   end
   redis.call('PEXPIRE', KEYS[2], ARGV[4])
 end
-local function answer(head)
-  local out = {head}
+local function answer(heads)
+  local out = heads
   for backend, tokens in pairs(sums) do
     out[#out + 1] = backend
     out[#out + 1] = tostring(tokens)
@@ -344,27 +344,54 @@ PUBLISH_KV = (
     KV_READ
     + """
 write(7)
-return answer(1)
+return answer({1})
 """
 )
 
-# ARGV after the common ones: the backend, this instance's demand on it (its claims there with
-# the call that asks, as the policy's rule counts them), the fill the rule targets there, then
-# this instance's claims on every backend with the call (backend, tokens pairs). Grants (and
-# writes the claims) only when the other live instances' claims on the backend plus the demand
-# fit the target: the same test as tr's (scheduling/claims.py), made where no other instance
-# can claim in between. Returns 1 (granted) or 0, then the sums as PUBLISH_KV does.
+# ARGV after the common ones: n, then n claims in the order they were asked (each: the backend,
+# this instance's demand on it, i.e. its claims there with the call that asks as the policy's
+# rule counts them, and the fill the rule targets there), then this instance's claims on every
+# backend with the calls (backend, tokens pairs). Grants a claim only when the other live
+# instances' claims on its backend plus its demand fit its target: the same test as tr's
+# (scheduling/claims.py), made where no other instance can claim in between; writes the claims
+# when any is granted. Each demand already counts the calls asked before it (the instance
+# counts a call before asking), so a refused claim only makes the ones after it safer. Returns
+# n, a 1 (granted) or 0 per claim, then the sums as PUBLISH_KV does.
 CLAIM_KV = (
     KV_READ
     + """
-if (sums[ARGV[7]] or 0) + tonumber(ARGV[8]) > tonumber(ARGV[9]) then
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
-  return answer(0)
+local n = tonumber(ARGV[7])
+local out = {n}
+local any = false
+for i = 0, n - 1 do
+  local at = 8 + 3 * i
+  if (sums[ARGV[at]] or 0) + tonumber(ARGV[at + 1]) > tonumber(ARGV[at + 2]) then
+    out[#out + 1] = 0
+  else
+    out[#out + 1] = 1
+    any = true
+  end
 end
-write(10)
-return answer(1)
+if any then
+  write(8 + 3 * n)
+else
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
+return answer(out)
 """
 )
+
+
+@dataclass
+class _Claim:
+    """One call's claim waiting for its batch's answer."""
+
+    backend: str
+    demand: int
+    whole: int
+    asked_at: float
+    done: trio.Event = field(default_factory=trio.Event)
+    granted: bool = True
 
 
 class SharedBackends:
@@ -407,10 +434,15 @@ class SharedBackends:
         self.granted = 0
         self.refused = 0
         self.unchecked = 0
-        #: Seconds the checked claims took (a round trip, and any wait for a connection).
+        #: Seconds the checked claims took, from asking to the answer (the round trip, and the
+        #: wait for the batch before it).
         self._claim_s = 0.0
         self._claim_s_max = 0.0
-        #: Tokens the other live instances claim on each backend, from the last answer.
+        #: Claims asked since the last batch went out, and the signal that there are some.
+        self._asked: list[_Claim] = []
+        self._asking = (
+            trio.Event()
+        )  #: Tokens the other live instances claim on each backend, from the last answer.
         self._others: dict[str, int] = {}
         self._others_at: float | None = None
         #: Set when a call was placed: this instance's claims changed, publish them soon.
@@ -449,15 +481,14 @@ class SharedBackends:
     def _keys(self) -> list[str]:
         return [f"{KV_PREFIX}:instances", f"{KV_PREFIX}:used:{self.instance}"]
 
-    def _answered(self, answer: Any) -> int:
-        """Take in a script's answer (head, then backend, tokens pairs); the head."""
+    def _answered(self, answer: Any, heads: int = 1) -> None:
+        """Take in a script's answer: ``heads`` values, then backend, tokens pairs."""
         if not self.reachable:
             log.info("Redis at %s reachable; tr counts the other instances' KV claims", self.url)
         self.reachable = True
         self.away_since = None
-        self._others = {str(answer[i]): int(answer[i + 1]) for i in range(1, len(answer), 2)}
+        self._others = {str(answer[i]): int(answer[i + 1]) for i in range(heads, len(answer), 2)}
         self._others_at = trio.current_time()
-        return int(answer[0])
 
     def _away(self, exc: BaseException) -> None:
         if self.reachable or self.away_since is None:
@@ -488,30 +519,58 @@ class SharedBackends:
         live instance: granted (and this instance's claims written, the call's included) when
         the others' claims there plus ``demand`` fit ``whole``; refused otherwise, and the
         others' claims just read are what ``others`` answers from now on. Redis away (or not
-        yet answered): granted unchecked, the local view having decided alone."""
+        yet answered): granted unchecked, the local view having decided alone.
+
+        Claims asked while a batch is under way go together in the next one (one round trip
+        for a burst, not one each: under load the round trips queued behind each other)."""
         if not self.reachable or self._mine is None:
             self.unchecked += 1
             return True
-        head, pairs = self._args(self._mine())
-        started = trio.current_time()
+        asked = _Claim(backend, demand, whole, trio.current_time())
+        self._asked.append(asked)
+        self._asking.set()
+        await asked.done.wait()
+        return asked.granted
+
+    async def _claims(self) -> None:
+        """Send the claims asked, one batch at a time, until cancelled."""
+        while True:
+            await self._asking.wait()
+            self._asking = trio.Event()
+            batch, self._asked = self._asked, []
+            if batch:
+                await self._send(batch)
+
+    async def _send(self, batch: list[_Claim]) -> None:
+        assert self._mine is not None
         try:
+            if not self.reachable:
+                raise ConnectionError("Redis was away when the claims were asked")
+            head, pairs = self._args(self._mine())
+            asks: list[Any] = [len(batch)]
+            for c in batch:
+                asks += [c.backend, c.demand, c.whole]
             with trio.fail_after(COMMAND_TIMEOUT_S):
                 self.round_trips += 1
-                answer: Any = await self._claim(
-                    keys=self._keys(), args=[*head, backend, demand, whole, *pairs]
-                )
+                answer: Any = await self._claim(keys=self._keys(), args=head + asks + pairs)
         except (trio.TooSlowError, OSError, Exception) as exc:  # noqa: BLE001 - any failure: away
-            self._away(exc)
-            self.unchecked += 1
-            return True
-        took = trio.current_time() - started
-        self._claim_s += took
-        self._claim_s_max = max(self._claim_s_max, took)
-        if self._answered(answer) == 1:
-            self.granted += 1
-            return True
-        self.refused += 1
-        return False
+            if self.reachable:
+                self._away(exc)
+            self.unchecked += len(batch)
+            for c in batch:
+                c.done.set()
+            return
+        self._answered(answer, 1 + len(batch))
+        now = trio.current_time()
+        for c, flag in zip(batch, answer[1 : 1 + len(batch)], strict=True):
+            c.granted = int(flag) == 1
+            if c.granted:
+                self.granted += 1
+            else:
+                self.refused += 1
+            self._claim_s += now - c.asked_at
+            self._claim_s_max = max(self._claim_s_max, now - c.asked_at)
+            c.done.set()
 
     async def backend_of(self, program_id: str) -> str | None:
         """The backend another instance placed ``program_id`` on (it holds its cache), or None:
@@ -568,6 +627,7 @@ class SharedBackends:
             await self.publish(mine())
             self._mine = mine
             nursery.start_soon(self._placements)
+            nursery.start_soon(self._claims)
             task_status.started()
             while True:
                 with trio.move_on_after(beat - gap):
