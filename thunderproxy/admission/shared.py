@@ -553,6 +553,11 @@ class SharedBackends:
             with trio.fail_after(COMMAND_TIMEOUT_S):
                 self.round_trips += 1
                 answer: Any = await self._claim(keys=self._keys(), args=head + asks + pairs)
+        except trio.Cancelled:
+            # Stopped with the batch under way: its calls go out unchecked, none hangs.
+            for c in batch:
+                c.done.set()
+            raise
         except (trio.TooSlowError, OSError, Exception) as exc:  # noqa: BLE001 - any failure: away
             if self.reachable:
                 self._away(exc)
@@ -623,18 +628,27 @@ class SharedBackends:
         beat = self.heartbeat_s / BEATS
         gap = min(NUDGE_GAP_S, beat)
         self._offset = offset
-        async with self.client, trio.open_nursery() as nursery:
-            await self.publish(mine())
-            self._mine = mine
-            nursery.start_soon(self._placements)
-            nursery.start_soon(self._claims)
-            task_status.started()
-            while True:
-                with trio.move_on_after(beat - gap):
-                    await self._nudged.wait()
-                await trio.sleep(gap)  # calls placed meanwhile go in the same publish
-                self._nudged = trio.Event()
+        try:
+            async with self.client, trio.open_nursery() as nursery:
                 await self.publish(mine())
+                self._mine = mine
+                nursery.start_soon(self._placements)
+                nursery.start_soon(self._claims)
+                task_status.started()
+                while True:
+                    with trio.move_on_after(beat - gap):
+                        await self._nudged.wait()
+                    await trio.sleep(gap)  # calls placed meanwhile go in the same publish
+                    self._nudged = trio.Event()
+                    await self.publish(mine())
+        finally:
+            # Stopped (the proxy shuts down): calls still being served claim unchecked, and
+            # none waits for a batch that will not go out.
+            self._mine = None
+            self.unchecked += len(self._asked)
+            for asked in self._asked:
+                asked.done.set()
+            self._asked = []
 
     def statistics(self) -> dict[str, Any]:
         return {
