@@ -474,8 +474,8 @@ class Settings:
     redis_heartbeat: float = setting(
         1.0 * SECONDS,
         "Seconds within which an instance that stopped is counted out and its share of the "
-        "limits goes to the others (each instance beats eight times a heartbeat); tr's KV "
-        "claims are published at least once a heartbeat.",
+        "limits goes to the others, and its KV claims stop counting for tr (each instance beats "
+        "eight times a heartbeat).",
         check=_positive,
     )
     workers: int = setting(

@@ -301,6 +301,8 @@ async def run(
                 audit=audit,
                 other_tokens=None if kv is None else kv.others,
                 affinity=kv,
+                # tr's fit test made again in Redis for calls that were not running.
+                claims=kv if settings.router == "tr" else None,
             )
             if kv is not None:
                 await nursery.start(

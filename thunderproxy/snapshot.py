@@ -42,6 +42,8 @@ class Statistics:
     audit: AuditStatistics
     #: Limits, usage and queues per model and class (docs/LIMITS.md); None without [limits].
     admission: Mapping[str, Any] | None = None
+    #: The KV claims shared with other instances through Redis; None without --redis.
+    shared_kv: Mapping[str, Any] | None = None
 
     @property
     def healthy_backends(self) -> list[str]:
@@ -55,6 +57,7 @@ def take(
     pool: BackendPool,
     audit: AuditStatistics,
     admission: Mapping[str, Any] | None = None,
+    shared_kv: Mapping[str, Any] | None = None,
 ) -> Statistics:
     loads = registry.load_by_backend()
     return Statistics(
@@ -76,4 +79,5 @@ def take(
         served_models=tuple(pool.served_models()),
         audit=audit,
         admission=admission,
+        shared_kv=shared_kv,
     )

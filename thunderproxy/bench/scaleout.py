@@ -85,6 +85,8 @@ class ScaleoutConfig:
     pooled: bool = False
     #: Bound on one arrangement's run.
     limit_s: float = 900.0
+    #: More ``serve`` flags for every proxy (the same in every arrangement).
+    serve_flags: tuple[str, ...] = ()
 
 
 @dataclass
@@ -207,12 +209,13 @@ async def sample(backends: list[str], outcome: Outcome, stop: trio.Event) -> Non
                 await stop.wait()
 
 
-def serve_args(backends: list[str], db: Path) -> list[str]:
+def serve_args(backends: list[str], db: Path, flags: tuple[str, ...] = ()) -> list[str]:
     return [
         *thunderproxy_argv("serve"),
         *("--port", "0", "--backends", ",".join(backends), "--router", "tr"),
         *("--db", str(db), "--no-datasette", "--metrics-interval", "0.2"),
         *("--max-connections", "1024"),
+        *flags,
     ]
 
 
@@ -252,14 +255,14 @@ async def run_arrangement(config: ScaleoutConfig, arrangement: str, tmp: Path) -
             db = directory / "proxy.db"
             if arrangement == "shared":
                 assert redis is not None
-                argv = serve_args(backends, db)
+                argv = serve_args(backends, db, config.serve_flags)
                 argv += ["--workers", str(processes), "--redis", redis.url]
                 proxy = await start_child(nursery, "proxy", argv, PROXY_LISTENING)
                 children.append(proxy)
                 proxies.append(proxy.url)
             else:
                 for k in range(processes):
-                    argv = serve_args(backends, directory / f"proxy{k}.db")
+                    argv = serve_args(backends, directory / f"proxy{k}.db", config.serve_flags)
                     proxy = await start_child(nursery, f"proxy{k}", argv, PROXY_LISTENING)
                     children.append(proxy)
                     proxies.append(proxy.url)

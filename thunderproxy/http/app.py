@@ -15,6 +15,7 @@ from werkzeug.exceptions import HTTPException
 
 from .. import __version__, snapshot
 from ..admission.service import AdmissionService
+from ..admission.shared import SharedBackends
 from ..audit.records import RejectionRecord
 from ..backends import BackendPool
 from ..clock import WallClock
@@ -98,6 +99,9 @@ class Services:
             audit=self.gateway.audit.statistics(),
             admission=self.gateway.admission.statistics(trio.current_time())
             if isinstance(self.gateway.admission, AdmissionService)
+            else None,
+            shared_kv=self.scheduler.affinity.statistics()
+            if isinstance(self.scheduler.affinity, SharedBackends)
             else None,
         )
 
@@ -396,6 +400,7 @@ def create_app(services: Services) -> ThunderproxyApp:
                 "profile_enabled": settings.profile,
                 "audit": _audit_json(stats),
                 "admission": stats.admission,
+                "shared_kv": stats.shared_kv,
             }
         )
         if starting is not None:

@@ -21,10 +21,11 @@ from ..audit import AuditLog, DecisionRecord
 from ..backends import BackendNode, BackendPool, Route
 from ..errors import ModelNotFound, NoBackendAvailable, ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
+from . import claims as shared_claims
 from .costs import horizon_s
 from .learners import PromptSizer, program_estimate
 from .policies import Policy, Views
-from .policy import Action, Decision, PolicyConfig, ProgramView
+from .policy import Action, Decision, PolicyConfig, ProgramView, used_tokens
 from .policy import force_resume as policy_force_resume
 from .views import BackendSchedule, ViewSource
 from .waiters import Waiters
@@ -60,6 +61,14 @@ class Affinity(Protocol):
     def placed(self, program_id: str, backend: str) -> None: ...
 
 
+class Claims(Protocol):
+    """KV claims checked atomically with other instances' (Redis: ``SharedBackends.claim``)."""
+
+    def claim(self, backend: str, demand: int, whole: int) -> Awaitable[bool]: ...
+
+    def others(self, backend: str) -> int: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -71,6 +80,7 @@ class Scheduler:
         clock: Callable[[], float] = trio.current_time,
         other_tokens: Callable[[str], int] | None = None,
         affinity: Affinity | None = None,
+        claims: Claims | None = None,
     ) -> None:
         self.policy = policy
         self.registry = registry
@@ -79,6 +89,11 @@ class Scheduler:
         self._now = clock
         self.source = ViewSource(registry, pool, policy.config, others=other_tokens)
         self.affinity = affinity
+        #: With other instances in front of the same backends, tr's fit test is made again in
+        #: Redis for calls that were not running (``_claim``); None: this instance decides alone.
+        self.claims = claims
+        #: Per backend, the growth of returning calls whose claims are being checked.
+        self._pending: dict[str, int] = {}
         self._waiters = Waiters()
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
@@ -99,7 +114,11 @@ class Scheduler:
 
     def used_by_backend(self) -> dict[str, int]:
         """The KV tokens this instance's programs claim on each backend now."""
-        return self.source.used_by_backend(self._now())
+        used = self.source.used_by_backend(self._now())
+        for url, growth in self._pending.items():
+            if growth:
+                used[url] = used.get(url, 0) + growth
+        return used
 
     # -- placement ------------------------------------------------------------------------------
 
@@ -154,15 +173,32 @@ class Scheduler:
             # New here, but another instance may have run it: its cache is on that backend.
             known = await self.affinity.backend_of(program_id)
             program = self.registry.find(program_id)  # another call may have created it meanwhile
+        fresh = program is None  # a first call: its KV claim is new
+        gate: Decision | None = None
         if program is None:
             program = self._admit(program_id, route, arrived_at, context_chars, source, known)
         else:
             self._observe_return(program, arrived_at)
-            self._gate_return(program, arrived_at, context_chars)
-        # A loop, not an if: between its resume and this task running again, a program could be
-        # paused anew by another task's rebalance (the policy avoids it, this makes it certain).
-        while program.status is ProgramStatus.PAUSED:
-            await self._wait_for_resume(program, arrived_at)
+            gate = self._gate_return(program, arrived_at, context_chars)
+        while True:
+            # A loop, not an if: between its resume and this task running again, a program
+            # could be paused anew by another task's rebalance (the policy avoids it, this
+            # makes it certain).
+            while program.status is ProgramStatus.PAUSED:
+                await self._wait_for_resume(program, arrived_at)
+                fresh, gate = True, None
+            # A returning call the gate found room for grows the program's claim to its whole
+            # context: checked too (against the whole capacity, as the gate does).
+            grows = gate.program_tokens if gate is not None and gate.rule == "fits" else None
+            gate = None
+            if (fresh or grows) and not await self._claim(
+                program, route, arrived_at, context_chars, grows
+            ):
+                continue  # refused: it waits, as on a full backend
+            # (Read again: another task's rebalance may have paused it while its claim was
+            # checked, and then it waits too.)
+            if program.status not in (ProgramStatus.PAUSED,):
+                break
         self.registry.set_waiting(program, None)
         node = self.place(program, route)
         if self.affinity is not None:
@@ -190,6 +226,78 @@ class Scheduler:
         self.rebalance(now, backends=[node.url])
         return lease
 
+    async def _claim(
+        self,
+        program: Program,
+        route: Route,
+        arrived_at: float,
+        context_chars: int,
+        grows: int | None = None,
+    ) -> bool:
+        """A call that was not running is about to go out (or a returning call, whose whole
+        context ``grows`` the program's claim): with other instances sharing the backends, make
+        its KV claim in Redis, where the policy's fit test is made again against every
+        instance's claims at once (claims.py). Refused, the backend is full as far as this
+        instance is concerned: the program waits (False), and resumes where it fits, as if its
+        own view had said so. A program forced back at its bound is not checked."""
+        if self.claims is None or program.protected_until > self._now():
+            return True
+        node = self._choose(program.program_id, program.backend, route)
+        if program.backend != node.url:
+            return True  # its backend is gone: placement moves it, and the gate there follows
+        if not program.step_count:
+            # A first call that waited was sized when it arrived; what the prompts taught
+            # since (calls of other programs) sizes it better now, before it is weighed.
+            estimate = self._sizer(program.model).estimate(context_chars)
+            if estimate > program.total_tokens:
+                self.registry.set_tokens(program, estimate)
+        now = self._now()
+        views = self.views()
+        programs = views.programs
+        if grows is not None:
+            # Weighed as its call will be once out: its whole context, not its idle claim.
+            me = replace(
+                self.source.program_view(program), status=ProgramStatus.REASONING, tokens=grows
+            )
+            programs = [p for p in programs if p.program_id != program.program_id] + [me]
+        b = views.backend(node.url)
+        ask = shared_claims.ask(
+            b,
+            programs,
+            self.config,
+            now,
+            first=not program.step_count,
+            fill=None if grows is None else 1.0,
+        )
+        if ask is None:
+            return True
+        # Claims being checked for this instance's other calls (returning ones, not in the
+        # registry's count yet) are part of what it claims.
+        pending = self._pending.get(ask.backend, 0)
+        growth = (
+            0
+            if grows is None
+            else max(0, ask.demand - used_tokens(b, views.programs, self.config, now))
+        )
+        self._pending[ask.backend] = pending + growth
+        try:
+            granted = await self.claims.claim(ask.backend, ask.demand + pending, ask.whole)
+        finally:
+            self._pending[ask.backend] -= growth
+        if granted:
+            return True
+        if program.status is ProgramStatus.PAUSED or program.program_id not in self.registry:
+            return program.status is not ProgramStatus.PAUSED  # changed meanwhile
+        now = self._now()
+        decision = shared_claims.refused(
+            self.source.program_view(program), ask, self.claims.others(ask.backend)
+        )
+        self._log(decision, now)
+        verb = "queued" if decision.action is Action.QUEUE else "paused"
+        self.registry.pause(program, now, reason=f"{verb}: {decision.rule}")
+        self.registry.set_waiting(program, program.waiting_since or arrived_at)
+        return False
+
     def _held_on(self, url: str) -> int:
         """Calls held back for a backend now: without holding they would be in flight there."""
         held = 0
@@ -207,13 +315,16 @@ class Scheduler:
         returned = arrived_at - program.acting_since <= horizon_s(self.config)
         schedule.hold = schedule.hold.observe_return(returned)
 
-    def _gate_return(self, program: Program, arrived_at: float, context_chars: int) -> None:
-        """Pause a returning program now if the policy sees its call overflow its backend."""
+    def _gate_return(
+        self, program: Program, arrived_at: float, context_chars: int
+    ) -> Decision | None:
+        """Pause a returning program now if the policy sees its call overflow its backend;
+        the policy's decision (None: not gated)."""
         if program.status is not ProgramStatus.ACTING or program.in_flight:
-            return
+            return None
         node = self.pool.get(program.backend)
         if node is None or not node.healthy:
-            return  # placement moves it first; the new backend's own rebalance follows
+            return None  # placement moves it first; the new backend's own rebalance follows
         if program.prompt_tokens_total:
             estimate = program_estimate(context_chars, program.chars_per_token)
         else:
@@ -227,6 +338,7 @@ class Scheduler:
             self._log(decision, now)
             self.registry.pause(program, now, reason=f"paused: {decision.rule}")
             self.registry.set_waiting(program, arrived_at)
+        return decision
 
     def _sizer(self, model: str | None) -> PromptSizer:
         return self._sizers.get(model) or PromptSizer()
