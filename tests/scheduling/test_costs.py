@@ -70,6 +70,16 @@ def test_the_mean_is_plain_at_first_then_weighted_towards_the_last_calls() -> No
     assert not costs.exceeds(low, high)
 
 
+def test_the_prefill_rate_is_the_engines_speed_not_its_queue() -> None:
+    ledger = HoldLedger().observe_prefill(20_000, 2.0)  # a queued call: 100 µs per token
+    ledger = ledger.observe_prefill(20_000, 0.5)  # the engine's own speed: 25 µs
+    ledger = ledger.observe_prefill(100, 0.0001)  # too small to say anything
+    # The engine overloaded: every call's first token waits in its queue for a minute.
+    for _ in range(500):
+        ledger = ledger.observe_prefill(20_000, 60.0)
+    assert ledger.prefill_s_per_token == RATE
+
+
 def test_a_stream_of_one_call_programs_ends_with_holding_off_and_keeps_it_off() -> None:
     # Chat sessions (the Mooncake trace): three quarters are one call; the others come back
     # minutes later, after the horizon (no history holding could keep: reuse 0), or, some,
@@ -164,14 +174,14 @@ def test_measured_cheaper_without_holding_it_stays_off() -> None:
         on=Mean(n=200, mean=12.0, var=1.0),
         off=Mean(n=200, mean=4.0, var=1.0),
         calls=400,
-        prefill_samples=(RATE,),
+        prefill_s_per_token=RATE,
     )
     ledger, states = feed(back, [Call(12.0, 20_000, 0)])
     assert not ledger.holding
 
 
 def test_a_wait_counts_against_holding_even_where_holding_stopped_while_it_waited() -> None:
-    ledger = HoldLedger(holding=False, calls=100, prefill_samples=(RATE,))
+    ledger = HoldLedger(holding=False, calls=100, prefill_s_per_token=RATE)
     # A call queued while holding, released when it stopped: its 90 s is holding's cost.
     released = ledger.observe_call(
         waited_s=90.0, in_flight=9, reuse_tokens=0, missed_tokens=0, holding=False

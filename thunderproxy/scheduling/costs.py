@@ -9,8 +9,12 @@ per call, in seconds of latency:
     cost of a call = its wait in the proxy
                    + its own history it found evicted · prefill_s_per_token · in_flight
 
-- ``prefill_s_per_token``: the fastest prefill seen recently per uncached prompt token (the
-  least queued calls say most about the engine's own speed).
+- ``prefill_s_per_token``: the fastest prefill per uncached prompt token seen on the backend.
+  A call's time to first token is its prefill plus its wait in the engine's queue; the engine's
+  speed does not change with load, its queue does. (The fastest of the last 64 calls, as it
+  was, measured the queue once the engine was overloaded: 28 µs per token at the start of the
+  Mooncake quarter trace at 216K, up to 1,354 µs later, which made every recompute look 48
+  times dearer and turned holding back on.)
 - ``in_flight``: calls on the backend when the call goes out, those held back for it included
   (without holding they would be in flight too): a second of recompute is a second every one
   of them waits for the engine.
@@ -64,8 +68,6 @@ Z = 4.0
 #: A call that waited less than this in the proxy was not held (the time to reach the
 #: scheduler is not a wait).
 HELD_S = 0.01
-#: Recent prefill samples kept; the fastest of them is the engine's rate.
-PREFILL_SAMPLES = 64
 #: Calls with fewer uncached prompt tokens than this say more about overheads than prefill.
 MIN_PREFILL_TOKENS = 1024
 
@@ -132,7 +134,8 @@ class HoldLedger:
     gain: Mean = Mean()
     #: Calls since holding last stopped.
     calls_off: int = 0
-    prefill_samples: tuple[float, ...] = ()
+    #: The fastest prefill seen, seconds per uncached token: the engine's own speed.
+    prefill_s_per_token: float | None = None
 
     def observe_call(
         self,
@@ -203,13 +206,9 @@ class HoldLedger:
         if uncached_tokens < MIN_PREFILL_TOKENS or seconds <= 0:
             return self
         rate = seconds / uncached_tokens
-        return replace(
-            self, prefill_samples=(*self.prefill_samples[-(PREFILL_SAMPLES - 1) :], rate)
-        )
-
-    @property
-    def prefill_s_per_token(self) -> float | None:
-        return min(self.prefill_samples) if self.prefill_samples else None
+        if self.prefill_s_per_token is not None and self.prefill_s_per_token <= rate:
+            return self
+        return replace(self, prefill_s_per_token=rate)
 
     @property
     def cost_on(self) -> float | None:
