@@ -150,7 +150,7 @@ def test_without_holding_the_measured_cost_decides_after_enough_calls() -> None:
     assert not ledger.holding
     # Without holding, evictions cascade: calls find all of their 20K history gone and 40
     # calls share the engine (20,000 · 25 µs · 40 = 20 s each, against 12 s of waiting).
-    thrash = [Call(0.0, 20_000, 20_000, in_flight=39)] * (costs.MIN_CALLS - 1)
+    thrash = [Call(0.0, 20_000, 20_000, in_flight=39)] * (costs.MIN_CALLS_OFF - 1)
     ledger, states = feed(ledger, thrash)
     assert not any(states)  # stays off until measured: not on and off call after call
     ledger, states = feed(ledger, thrash[:1])
