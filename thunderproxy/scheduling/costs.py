@@ -35,8 +35,8 @@ crossing: the means are exponentially weighted (about the last 64 calls) and a s
 difference to exceed ``Z`` standard errors, so noise near the threshold switches nothing, and
 each switch (pausing or resuming many programs at once) waits for evidence.
 
-- Holding stops when not holding is measured cheaper (``off`` below ``on``) or, before it has
-  been, when ``gain`` is below zero.
+- After ``MIN_CALLS`` calls, holding stops when not holding is measured cheaper (``off``
+  below ``on``) or, before it has been, when ``gain`` is below zero.
 - Holding comes back only after ``MIN_CALLS_OFF`` calls without it, and when they cost more
   (``off`` above ``on``): where releasing it made calls recompute more than holding made them
   wait.
@@ -56,8 +56,9 @@ from ..config import PolicyConfig
 ALPHA = 1.0 / 64
 #: Calls seen before holding may stop. Few, because the test is strict: holding that does not
 #: pay delays calls while the ledger learns, and where the engine runs at capacity the backlog
-#: those delays make is never worked off (the Mooncake quarter trace at 216K, holding for the
-#: first 64 calls: median call 155 s against default's 138 s; for the first 16: 143 s).
+#: those delays make is never worked off (the Mooncake quarter trace at 216K: with at least 64
+#: calls, median call 155 s against default's 138 s; with at least 16, holding stopped after 32
+#: calls and the median was 143 s).
 MIN_CALLS = 16
 #: Calls without holding before the ledger trusts what they cost (and holding may come back).
 MIN_CALLS_OFF = 64
