@@ -352,37 +352,3 @@ async def test_a_resumed_program_is_not_paused_again_before_its_call_goes_out(
         sched.rebalance(trio.current_time())
         assert waiting.status is ProgramStatus.ACTING
     assert waiting.step_count == 1
-
-
-async def test_where_programs_do_not_come_back_holding_stops_and_newcomers_go_through(
-    harness: Harness, autojump_clock: trio.testing.MockClock
-) -> None:
-    # One-call programs (chat sessions): each is held behind a running call, then never
-    # comes back. The ledger learns that holding costs waits and saves no recompute.
-    sched = harness.scheduler
-    hog = await begin(sched, "hog", arrived_at=trio.current_time(), context_chars=6_000 * 4)
-
-    async def one_call(name: str) -> None:
-        lease = await begin(sched, name, arrived_at=trio.current_time(), context_chars=6_000 * 4)
-        await trio.sleep(2)
-        first = lease.sent_at + 1
-        sched.close(
-            lease, StepUsage(6_000, 10, 0), reason="response complete", first_token_at=first
-        )
-        sched.release(name)
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(partial(serve_resume_monitor, sched, interval=1.0))
-        for n in range(80):
-            await one_call(f"chat{n}")
-        nursery.cancel_scope.cancel()
-    ledger = sched.schedule_of(B0).hold
-    assert ledger.returns < 0.5
-    assert ledger.cost_on is not None
-    assert ledger.cost_on > 0
-    assert not ledger.pays
-    decisions = harness.decisions()
-    queued = [d for d in decisions if d[0] == "queue"]
-    assert queued  # held while the ledger learned
-    assert ("admit", "chat79", "hold_does_not_pay") in decisions
-    end(sched, hog, 200, StepUsage(6_000, 10, 0))

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from thunderproxy.scheduling import costs, policy
-from thunderproxy.scheduling.costs import HoldLedger
-from thunderproxy.scheduling.policy import Action, BackendView, PolicyConfig
+from thunderproxy.scheduling import policy
+from thunderproxy.scheduling.policy import Action, BackendView
 
 from . import test_policy
 from .test_policy import A, B, P, R, backend, prog
@@ -109,97 +108,6 @@ def test_where_holding_does_not_pay_tr_proxies_like_default() -> None:
     assert policy.on_return(back, on, [running, back], CFG, now=1.0).action is Action.PAUSE
     assert [d.program_id for d in policy.enforce(on, [running, idle], CFG, now=60.0)] == ["idle"]
     assert policy.resume([on], [running, waiting], CFG, now=1.0) == []
-
-
-def _calls(
-    ledger: HoldLedger,
-    n: int,
-    *,
-    waited: float,
-    reuse: int,
-    missed: int = 0,
-    holding: bool = True,
-) -> HoldLedger:
-    for _ in range(n):
-        ledger = ledger.observe_call(
-            waited_s=waited, in_flight=9, reuse_tokens=reuse, missed_tokens=missed, holding=holding
-        )
-    return ledger
-
-
-def test_holding_pays_while_programs_come_back_and_not_when_they_do_not() -> None:
-    ledger = HoldLedger()
-    assert ledger.pays  # nothing measured: tr's default
-    ledger = ledger.observe_prefill(20_000, 0.5)  # 25 µs per token
-    ledger = ledger.observe_prefill(20_000, 2.0)  # a queued call: slower, not the engine's rate
-    ledger = ledger.observe_prefill(100, 5.0)  # too small to say anything
-    assert ledger.prefill_s_per_token == 0.5 / 20_000
-    # Agents: every call comes back at once with 20K tokens of history, calls wait 8 s. Not
-    # holding would cost at least 20,000 · 25 µs · 10 calls = 5 s of recompute per call, a
-    # lower bound: within twice the wait, holding goes on.
-    agents = _calls(ledger, costs.MIN_CALLS, waited=8.0, reuse=20_000)
-    assert agents.estimate_off == 5.0
-    assert agents.cost_on == 8.0
-    assert agents.pays
-    assert not _calls(agents, 300, waited=11.0, reuse=20_000).pays
-    # Chats: most sessions never come back, the calls that are held wait long.
-    chats = _calls(ledger, costs.MIN_CALLS, waited=8.0, reuse=2_000)
-    for _ in range(200):
-        chats = chats.observe_return(False)
-    assert chats.estimate_off is not None
-    assert chats.estimate_off < 0.1
-    assert not chats.pays
-    inputs = chats.inputs()
-    assert inputs["calls"] == costs.MIN_CALLS
-    assert inputs["prefill_us_per_token"] == 25.0
-
-
-def test_once_measured_without_holding_the_measured_cost_decides() -> None:
-    ledger = HoldLedger().observe_prefill(20_000, 0.5)
-    # The estimate (one recompute per returning call, 5 s) is under half the 12 s waits:
-    # holding stops, and calls are then measured without it.
-    ledger = _calls(ledger, costs.MIN_CALLS, waited=12.0, reuse=20_000)
-    assert not ledger.pays
-    # Without holding, evictions cascade: calls find 16K of their 20K history gone, which
-    # costs 16,000 · 25 µs · 10 = 4 s each. Before MIN_CALLS of them the estimate stands.
-    ledger = _calls(ledger, costs.MIN_CALLS - 1, waited=0.0, reuse=20_000, missed=16_000,
-                    holding=False)  # fmt: skip
-    assert not ledger.pays
-    # Meanwhile the estimate alone would turn holding back on (more calls share the engine
-    # now): it stays off until measured, not on and off call after call.
-    busier = replace(ledger, in_flight=100.0)
-    assert busier.estimate_off is not None
-    assert busier.estimate_off * costs.ESTIMATE_MARGIN > 12.0
-    assert not busier.pays
-    assert replace(busier, calls_off=0).pays  # the estimate alone would have
-    ledger = _calls(ledger, 1, waited=0.0, reuse=20_000, missed=16_000, holding=False)
-    assert ledger.cost_off == 4.0
-    assert not ledger.pays  # 4 s of recompute against 12 s of waiting: still cheaper off
-    # Thrashing grows (all 20K lost: 5 s, and 40 calls share the engine: 20 s): holding is
-    # back, and stays while the measured cost without it is the higher.
-    worse = ledger
-    for _ in range(200):
-        worse = worse.observe_call(
-            waited_s=0.0, in_flight=39, reuse_tokens=20_000, missed_tokens=20_000, holding=False
-        )
-    assert worse.cost_off is not None
-    assert worse.cost_off > 12.0
-    assert worse.pays
-    assert _calls(worse, 50, waited=12.0, reuse=20_000).pays
-
-
-def test_a_ledger_needs_enough_calls_before_it_turns_holding_off() -> None:
-    ledger = HoldLedger().observe_prefill(20_000, 0.5)
-    few = _calls(ledger, costs.MIN_CALLS - 1, waited=100.0, reuse=1_000)
-    for _ in range(100):
-        few = few.observe_return(False)
-    assert few.pays
-    assert not _calls(few, 1, waited=100.0, reuse=1_000).pays
-
-
-def test_the_horizon_is_where_tr_stops_counting_an_idle_cache() -> None:
-    assert costs.horizon_s(PolicyConfig(acting_half_life_s=5.0)) == 20.0
-    assert costs.horizon_s(PolicyConfig(acting_half_life_s=0.0, idle_lease_s=600)) == 600
 
 
 def test_a_queued_newcomer_fits_only_where_programs_under_way_keep_room_for_their_next_call() -> (

@@ -3,35 +3,43 @@ frozen value with ``observe_*`` methods that return the next one (no clock, no I
 
 tr holds a call back (a newcomer queued, a returning program paused) so that the programs
 already running keep their KV cache. That saves recompute only when those programs come back
-while their cache is still kept; and it costs the held call its wait. Both are measured per
-call, in seconds of latency:
+while their cache is still kept; and it costs the held call its whole wait. Both are measured
+per call, in seconds of latency:
 
     cost of a call = its wait in the proxy
                    + its own history it found evicted · prefill_s_per_token · in_flight
 
-- ``prefill_s_per_token``: the fastest prefill seen recently per uncached prompt token (the
-  least queued calls say most about the engine's own speed).
+- ``prefill_s_per_token``: the fastest prefill per uncached prompt token seen on the backend.
+  A call's time to first token is its prefill plus its wait in the engine's queue; the engine's
+  speed does not change with load, its queue does. (The fastest of the last 64 calls, as it
+  was, measured the queue once the engine was overloaded: 28 µs per token at the start of the
+  Mooncake quarter trace at 216K, up to 1,354 µs later, which made every recompute look 48
+  times dearer and turned holding back on.)
 - ``in_flight``: calls on the backend when the call goes out, those held back for it included
   (without holding they would be in flight too): a second of recompute is a second every one
   of them waits for the engine.
+- Its own history counts only for a program that came back within the protection horizon
+  (``horizon_s``; the scheduler passes ``reuse_tokens=0`` otherwise): tr no longer counts an
+  idle program's cache after it, so what such a program recomputes is recomputed with holding
+  or without, and a program that never calls again saves nothing by being held.
+- A wait is charged to holding even where holding stopped while the call waited (only holding
+  makes a call wait): released at once, such calls would otherwise make not holding look as
+  expensive as the waits it ends.
 
-The ledger keeps the mean cost of calls made while holding (``cost_on``) and while not
-(``cost_off``), each learned only in its own state. Holding pays while ``cost_off >=
-cost_on``. Before ``cost_off`` has been measured it is estimated from what holding protects:
+The ledger keeps, each learned only in its own state, the mean and variance of the cost of
+calls made while holding (``on``) and while not (``off``), and while holding, per call, what
+not holding would have changed (``gain``): the history the call found cached, had holding not
+kept it, recomputed (counted ``ESTIMATE_MARGIN`` times: one recompute per returning call, the
+evictions that cascade unseen), less the call's wait. Switching is a test, not a threshold
+crossing: the means are exponentially weighted (about the last 64 calls) and a switch needs the
+difference to exceed ``Z`` standard errors, so noise near the threshold switches nothing, and
+each switch (pausing or resuming many programs at once) waits for evidence.
 
-    estimate = returns · reuse_tokens · prefill_s_per_token · in_flight
-
-``returns`` is the share of finished calls whose program called again within the protection
-horizon (``horizon_s``, after which tr no longer counts an idle program's cache; a program
-released without calling again did not return), ``reuse_tokens`` the history a returning call
-carries. The estimate counts one recompute per returning call; evictions that cascade (each
-recompute evicting another program that comes back) it does not see. So it stops holding only
-where holding costs ``ESTIMATE_MARGIN`` times more (64 short SWE-agent programs: 3.1 s estimated
-against 3.8 s of waiting, and letting go of the hold there lowered the hit rate), and once
-holding has stopped, it stays off for ``MIN_CALLS`` calls and the measured ``cost_off``
-decides: after ``MIN_CALLS`` calls
-without holding the ledger compares measured against measured, and so holding comes back
-where releasing it made calls recompute more than holding made them wait.
+- After ``MIN_CALLS`` calls, holding stops when not holding is measured cheaper (``off``
+  below ``on``) or, before it has been, when ``gain`` is below zero.
+- Holding comes back only after ``MIN_CALLS_OFF`` calls without it, and when they cost more
+  (``off`` above ``on``): where releasing it made calls recompute more than holding made them
+  wait.
 
 Until ``MIN_CALLS`` calls have been seen, or while no prefill has been measured, holding is
 on: tr's default.
@@ -39,19 +47,33 @@ on: tr's default.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..config import PolicyConfig
 
-#: Weight of a new observation in the moving averages (about the last 64 observations).
+#: Weight of a new observation in the moving means (about the last 64 observations).
 ALPHA = 1.0 / 64
-#: Calls seen (in all, and in the state without holding) before the ledger trusts its means.
-MIN_CALLS = 64
-#: The estimate is a lower bound (one recompute per returning call, no cascade): on its own it
-#: stops holding only where holding costs this many times more.
+#: Calls seen before holding may stop. Few, because the test is strict: holding that does not
+#: pay delays calls while the ledger learns, and where the engine runs at capacity the backlog
+#: those delays make is never worked off (the Mooncake quarter trace at 216K: with at least 64
+#: calls, median call 155 s against default's 138 s; with at least 16, holding stopped after 32
+#: calls and the median was 143 s).
+MIN_CALLS = 16
+#: Calls without holding before the ledger trusts what they cost (and holding may come back).
+MIN_CALLS_OFF = 64
+#: The estimate counts one recompute per returning call, no cascade: the recompute it sees
+#: counts this many times.
 ESTIMATE_MARGIN = 2.0
-#: Recent prefill samples kept; the fastest of them is the engine's rate.
-PREFILL_SAMPLES = 64
+#: Standard errors by which one mean must exceed the other for holding to switch. The test is
+#: repeated at every call on overlapping means, so a bound that would be strict once is crossed
+#: by noise alone far more often: with the gain exactly at break-even (held calls waiting 0 or
+#: 20 s, saving 10 s), 2 standard errors switched within 3,000 calls in 195 seeds of 200, 3 in
+#: 85, 4 in 9.
+Z = 4.0
+#: A call that waited less than this in the proxy was not held (the time to reach the
+#: scheduler is not a wait).
+HELD_S = 0.01
 #: Calls with fewer uncached prompt tokens than this say more about overheads than prefill.
 MIN_PREFILL_TOKENS = 1024
 
@@ -69,17 +91,57 @@ def _ewma(old: float | None, new: float) -> float:
 
 
 @dataclass(frozen=True)
+class Mean:
+    """An exponentially weighted mean and variance: the plain ones over the first
+    ``1/ALPHA`` observations, then weighted towards the last ``1/ALPHA`` or so."""
+
+    n: int = 0
+    mean: float = 0.0
+    var: float = 0.0
+
+    def add(self, x: float) -> Mean:
+        a = max(ALPHA, 1.0 / (self.n + 1))
+        d = x - self.mean
+        return Mean(self.n + 1, self.mean + a * d, (1 - a) * (self.var + a * d * d))
+
+    @property
+    def weight(self) -> float:
+        """Observations the mean effectively rests on (an EWMA's: (2 - α) / α at most)."""
+        return float(min(self.n, (2 - ALPHA) / ALPHA))
+
+    @property
+    def se2(self) -> float:
+        """Squared standard error of the mean."""
+        return self.var / max(1.0, self.weight)
+
+
+def exceeds(high: Mean, low: Mean) -> bool:
+    """Whether ``high``'s mean is above ``low``'s by more than ``Z`` standard errors of the
+    difference (both measured)."""
+    if not high.n or not low.n:
+        return False
+    return high.mean - low.mean > Z * math.sqrt(high.se2 + low.se2)
+
+
+@dataclass(frozen=True)
 class HoldLedger:
     calls: int = 0
+    #: The decision: whether tr holds programs back on this backend.
+    holding: bool = True
     returns: float = 1.0
     reuse_tokens: float | None = None
     in_flight: float | None = None
-    #: Mean cost of a call (wait + recompute of its own evicted history) while holding.
-    cost_on: float | None = None
-    #: The same while not holding, and how many calls it rests on.
-    cost_off: float | None = None
+    #: Cost of a call (wait + recompute of its own evicted history) while holding.
+    on: Mean = Mean()
+    #: The same while not holding.
+    off: Mean = Mean()
+    #: While holding, per call: what not holding would have cost more (its cached history
+    #: recomputed, ESTIMATE_MARGIN times) less its wait.
+    gain: Mean = Mean()
+    #: Calls since holding last stopped.
     calls_off: int = 0
-    prefill_samples: tuple[float, ...] = ()
+    #: The fastest prefill seen, seconds per uncached token: the engine's own speed.
+    prefill_s_per_token: float | None = None
 
     def observe_call(
         self,
@@ -91,23 +153,55 @@ class HoldLedger:
         holding: bool,
     ) -> HoldLedger:
         """A call went out after ``waited_s`` in the proxy, with ``in_flight`` other calls on
-        (or held for) its backend, carrying ``reuse_tokens`` of its own history (0 for a first
-        call) of which ``missed_tokens`` were not in the cache."""
+        (or held for) its backend, carrying ``reuse_tokens`` of its own history that holding
+        could have kept (0 for a first call, or a program back after the horizon) of which
+        ``missed_tokens`` were not in the cache; ``holding``: whether tr held programs back
+        there when it went out. Returns the ledger with its decision taken anew."""
         busy = max(1, in_flight + 1)
         rate = self.prefill_s_per_token or 0.0
-        cost = max(0.0, waited_s) + max(0, missed_tokens) * rate * busy
+        waited = max(0.0, waited_s)
+        missed = min(max(0, missed_tokens), max(0, reuse_tokens))
+        cost = waited + missed * rate * busy
+        held = holding or waited >= HELD_S
         reuse = self.reuse_tokens
         if reuse_tokens > 0:
             reuse = _ewma(reuse, reuse_tokens)
-        return replace(
+        kept = (max(0, reuse_tokens) - missed) * rate * busy
+        ledger = replace(
             self,
             calls=self.calls + 1,
             reuse_tokens=reuse,
             in_flight=_ewma(self.in_flight, busy),
-            cost_on=_ewma(self.cost_on, cost) if holding else self.cost_on,
-            cost_off=self.cost_off if holding else _ewma(self.cost_off, cost),
-            calls_off=self.calls_off + (not holding),
+            on=self.on.add(cost) if held else self.on,
+            off=self.off if held else self.off.add(cost),
+            gain=self.gain.add(ESTIMATE_MARGIN * kept - waited) if held else self.gain,
+            calls_off=self.calls_off + (not self.holding),
         )
+        return ledger._decide()
+
+    def _decide(self) -> HoldLedger:
+        if self.holding:
+            if self.stops:
+                return replace(self, holding=False, calls_off=0)
+        elif self.resumes:
+            return replace(self, holding=True)
+        return self
+
+    @property
+    def stops(self) -> bool:
+        """While holding: whether the measurements say to stop."""
+        if self.calls < MIN_CALLS or self.prefill_s_per_token is None or not self.on.n:
+            return False
+        if self.off.n >= MIN_CALLS_OFF:
+            return exceeds(self.on, self.off)
+        if self.gain.n < MIN_CALLS:
+            return False
+        return self.gain.mean + Z * math.sqrt(self.gain.se2) < 0
+
+    @property
+    def resumes(self) -> bool:
+        """While not holding: whether the calls made since say to hold again."""
+        return self.calls_off >= MIN_CALLS_OFF and exceeds(self.off, self.on)
 
     def observe_return(self, returned: bool) -> HoldLedger:
         """A program's next call arrived within the horizon (True), or later or never."""
@@ -118,41 +212,29 @@ class HoldLedger:
         if uncached_tokens < MIN_PREFILL_TOKENS or seconds <= 0:
             return self
         rate = seconds / uncached_tokens
-        return replace(
-            self, prefill_samples=(*self.prefill_samples[-(PREFILL_SAMPLES - 1) :], rate)
-        )
+        if self.prefill_s_per_token is not None and self.prefill_s_per_token <= rate:
+            return self
+        return replace(self, prefill_s_per_token=rate)
 
     @property
-    def prefill_s_per_token(self) -> float | None:
-        return min(self.prefill_samples) if self.prefill_samples else None
+    def cost_on(self) -> float | None:
+        return self.on.mean if self.on.n else None
+
+    @property
+    def cost_off(self) -> float | None:
+        return self.off.mean if self.off.n else None
 
     @property
     def estimate_off(self) -> float | None:
-        """What a call would cost without holding, before that has been measured."""
-        rate = self.prefill_s_per_token
-        if rate is None or self.in_flight is None:
+        """What a call would cost without holding, before that has been measured: its cost
+        with holding, plus the gain holding was measured to bring."""
+        if not self.on.n or not self.gain.n:
             return None
-        # No call has come back with history yet: there is nothing holding protects.
-        return self.returns * (self.reuse_tokens or 0.0) * rate * self.in_flight
-
-    @property
-    def measured_off(self) -> bool:
-        return self.cost_off is not None and self.calls_off >= MIN_CALLS
+        return self.on.mean + self.gain.mean
 
     @property
     def pays(self) -> bool:
-        if self.calls < MIN_CALLS or self.cost_on is None:
-            return True
-        if self.measured_off:
-            assert self.cost_off is not None
-            return self.cost_off >= self.cost_on
-        if self.calls_off:
-            # Holding has stopped and calls are being measured without it: the estimate near
-            # its threshold would otherwise turn it on and off call after call, each time
-            # pausing and resuming many programs at once.
-            return False
-        estimate = self.estimate_off
-        return estimate is None or estimate * ESTIMATE_MARGIN >= self.cost_on
+        return self.holding
 
     def inputs(self) -> dict[str, float]:
         """What the decision rests on, for the decision log."""
@@ -168,6 +250,9 @@ class HoldLedger:
             "prefill_us_per_token": r((self.prefill_s_per_token or 0.0) * 1e6),
             "in_flight": r(self.in_flight, 2),
             "cost_on_s": r(self.cost_on),
+            "cost_on_se_s": r(math.sqrt(self.on.se2) if self.on.n else None),
             "cost_off_s": r(self.cost_off),
-            "estimate_off_s": r(self.estimate_off),
+            "cost_off_se_s": r(math.sqrt(self.off.se2) if self.off.n else None),
+            "gain_s": r(self.gain.mean if self.gain.n else None),
+            "gain_se_s": r(math.sqrt(self.gain.se2) if self.gain.n else None),
         }

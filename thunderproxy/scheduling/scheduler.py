@@ -175,10 +175,11 @@ class Scheduler:
             program = self.registry.find(program_id)  # another call may have created it meanwhile
         fresh = program is None  # a first call: its KV claim is new
         gate: Decision | None = None
+        returned = True
         if program is None:
             program = self._admit(program_id, route, arrived_at, context_chars, source, known)
         else:
-            self._observe_return(program, arrived_at)
+            returned = self._observe_return(program, arrived_at)
             gate = self._gate_return(program, arrived_at, context_chars)
         while True:
             # A loop, not an if: between its resume and this task running again, a program
@@ -204,7 +205,8 @@ class Scheduler:
         if self.affinity is not None:
             self.affinity.placed(program_id, node.url)
         now = self._now()
-        reuse = program.total_tokens if program.step_count else 0
+        # History back after the horizon is recomputed, held or not: holding keeps none of it.
+        reuse = program.total_tokens if program.step_count and returned else 0
         busy = node.in_flight + self._held_on(node.url)
         holding = self.source.holding(self.schedule_of(node.url))[0]
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
@@ -306,14 +308,15 @@ class Scheduler:
             held += program is not None and program.backend == url
         return held
 
-    def _observe_return(self, program: Program, arrived_at: float) -> None:
+    def _observe_return(self, program: Program, arrived_at: float) -> bool:
         """Teach the backend's ledger whether the program came back while tr still counts its
-        cache (costs.py)."""
+        cache (costs.py), and say so (True where it was not idle)."""
         if program.acting_since is None or program.in_flight or program.backend is None:
-            return
+            return True
         schedule = self.schedule_of(program.backend)
         returned = arrived_at - program.acting_since <= horizon_s(self.config)
         schedule.hold = schedule.hold.observe_return(returned)
+        return returned
 
     def _gate_return(
         self, program: Program, arrived_at: float, context_chars: int
