@@ -211,6 +211,13 @@ class PolicyConfig:
         "what it costs in waiting, as measured), always, or never (proxy like default).",
         choices=("auto", "always", "never"),
     )
+    idle_claims: str = setting(
+        "decay",
+        "tr: how an idle program's cache counts against capacity: decay (halving every "
+        "--acting-half-life) or break_even (whole while its tool is expected to end sooner "
+        "than the engine takes to prefill a full cache, nothing after).",
+        choices=("decay", "break_even"),
+    )
     resume_protection_s: float = setting(
         30.0 * SECONDS,
         "tr: seconds a force-resumed program is protected from being paused again.",
