@@ -211,8 +211,13 @@ class PolicyConfig:
         "what it costs in waiting, as measured), always, or never (proxy like default).",
         choices=("auto", "always", "never"),
     )
+    make_room_at_once: bool = setting(
+        False,
+        "tr: room for a call past half of --max-wait is made whenever a call ends, not only "
+        "in pause rounds spaced by --pause-cooldown: shorter waits, more pauses.",
+    )
     idle_claims: str = setting(
-        "decay",
+        "break_even",
         "tr: how an idle program's cache counts against capacity: decay (halving every "
         "--acting-half-life) or break_even (whole while its tool is expected to end sooner "
         "than the engine takes to prefill a full cache, nothing after).",

@@ -27,7 +27,7 @@ def test_the_horizon_is_the_time_to_prefill_a_full_cache() -> None:
     assert policy.keep_horizon(tiered, CFG) == pytest.approx(2.0)
     # Not measured yet, or decayed claims chosen: no horizon.
     assert policy.keep_horizon(backend(100_000), CFG) is None
-    assert policy.keep_horizon(b, test_policy.CFG) is None
+    assert policy.keep_horizon(b, replace(CFG, idle_claims="decay")) is None
     # Capped, so that the views never need programs idle longer than that.
     assert policy.keep_horizon(backend(10**9, prefill_s_per_token=1e-3), CFG) == policy.MAX_KEEP_S
 

@@ -381,11 +381,11 @@ def enforce(
         return []
     mine = [p for p in programs if p.backend == b.url]
     head = due(b, mine, cfg, now)
-    # The cooldown spaces rounds of pauses for overflow (pausing and resuming at every step
-    # churned the cache); room for a call past half its bound is made whenever a call ends,
-    # or the call reaches its bound and goes out over capacity.
+    # The cooldown spaces rounds of pauses (pausing and resuming at every step churned the
+    # cache). With ``make_room_at_once``, room for a call past half its bound is made whenever
+    # a call ends: it waits less, and more programs are paused for it.
     cooling = b.last_pause_at is not None and now - b.last_pause_at < cfg.pause_cooldown_s
-    if cooling and head is None:
+    if cooling and (head is None or not cfg.make_room_at_once):
         return []
     used = used_tokens(b, mine, cfg, now)
     room = cap
