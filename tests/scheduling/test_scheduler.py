@@ -386,3 +386,50 @@ async def test_where_programs_do_not_come_back_holding_stops_and_newcomers_go_th
     assert queued  # held while the ledger learned
     assert ("admit", "chat79", "hold_does_not_pay") in decisions
     end(sched, hog, 200, StepUsage(6_000, 10, 0))
+
+
+@pytest.mark.parametrize(("claims", "goes_out"), [("break_even", True), ("decay", False)])
+async def test_break_even_claims_let_an_idle_cache_go_once_the_engine_would_refill_it_sooner(
+    autojump_clock: trio.testing.MockClock, claims: str, goes_out: bool
+) -> None:
+    # The ledger learns the engine's prefill rate from a call (6,000 uncached tokens, first
+    # token 0.12 s after it was sent: 20 µs a token), so a 10,000-token cache refills in 0.2 s.
+    # A program idle for a second is then expected to stay away longer than that: under
+    # break-even claims it no longer holds its 6,000 tokens, and a returning call of 5,000 goes
+    # out; with claims that never decay (half-life 0) the same call waits, and the idle program is
+    # paused for it.
+    send, receive = trio.open_memory_channel[AuditRecord](100_000)
+    async with open_backend_pool([B0]) as pool:
+        pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
+        sched = Scheduler(
+            policy=TrPolicy(replace(CFG, idle_claims=claims)),
+            registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
+            pool=pool,
+            audit=AuditLog(send, run_id=1),
+        )
+        harness = Harness(sched, pool, receive)
+        await harness.step("b", 1_000)
+        idle = await begin(sched, "idle", arrived_at=trio.current_time(), context_chars=24_000)
+        await trio.sleep(0.5)
+        sched.close(
+            idle,
+            StepUsage(6_000, 10, 0),
+            reason="response complete",
+            first_token_at=idle.sent_at + 0.12,
+        )
+        assert sched.schedule_of(B0).hold.prefill_s_per_token == pytest.approx(20e-6)
+        await trio.sleep(1.0)
+        harness.records()
+        with trio.move_on_after(1.0):
+            lease = await begin(sched, "b", arrived_at=trio.current_time(), context_chars=20_000)
+            end(sched, lease, 200, StepUsage(4_900, 100, 0))
+        pauses = [d for d in harness.decisions() if d[0] == "pause"]
+        assert sched.registry.get("b").step_count == 2
+        if goes_out:
+            assert pauses == []
+        else:
+            # It waited, and went out only once the idle program was paused for it.
+            assert pauses == [
+                ("pause", "b", "no_room_on_return"),
+                ("pause", "idle", "over_capacity"),
+            ]
