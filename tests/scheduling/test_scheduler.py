@@ -428,8 +428,48 @@ async def test_break_even_claims_let_an_idle_cache_go_once_the_engine_would_refi
         if goes_out:
             assert pauses == []
         else:
-            # It waited, and went out only once the idle program was paused for it.
+            # It was paused on return, resumed at once at its last call's size (1,000 tokens),
+            # and the idle program was paused for the overflow its real size made.
             assert pauses == [
                 ("pause", "b", "no_room_on_return"),
                 ("pause", "idle", "over_capacity"),
             ]
+
+
+async def test_a_call_past_half_its_bound_takes_freed_room_without_waiting_for_the_cooldown(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Resume rounds are 5 s apart here and one has just run when the hog's program ends; the
+    # newcomer queued behind it has waited 12 s of its 20 s bound: it goes out at once, not at
+    # the next round (no resume monitor runs: it would otherwise wait for its bound).
+    send, receive = trio.open_memory_channel[AuditRecord](100_000)
+    async with open_backend_pool([B0]) as pool:
+        pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
+        sched = Scheduler(
+            policy=TrPolicy(replace(CFG, resume_cooldown_s=5.0)),
+            registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
+            pool=pool,
+            audit=AuditLog(send, run_id=1),
+        )
+        harness = Harness(sched, pool, receive)
+        hog = await begin(sched, "hog", arrived_at=trio.current_time(), context_chars=32_000)
+        waited: list[float] = []
+
+        async def late_call() -> None:
+            arrived = trio.current_time()
+            lease = await begin(sched, "late", arrived_at=arrived, context_chars=20_000)
+            waited.append(lease.sent_at - arrived)
+            end(sched, lease, 200, StepUsage(4_900, 100, 0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(late_call)
+            await trio.sleep(12)
+            end(sched, hog, 200, StepUsage(7_000, 10, 0))  # idle now, its claim still whole
+            assert not waited
+            sched.schedule_of(B0).last_resume_at = trio.current_time()
+            sched.release("hog")
+        decisions = harness.decisions()
+        assert waited == [12.0]
+        assert ("queue", "late", "capacity_full") in decisions
+        assert ("resume", "late", "capacity_free") in decisions
+        assert not [d for d in decisions if d[0] == "force_resume"]
