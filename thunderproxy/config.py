@@ -211,6 +211,18 @@ class PolicyConfig:
         "what it costs in waiting, as measured), always, or never (proxy like default).",
         choices=("auto", "always", "never"),
     )
+    make_room_at_once: bool = setting(
+        False,
+        "tr: room for a call past half of --max-wait is made whenever a call ends, not only "
+        "in pause rounds spaced by --pause-cooldown: shorter waits, more pauses.",
+    )
+    idle_claims: str = setting(
+        "break_even",
+        "tr: how an idle program's cache counts against capacity: decay (halving every "
+        "--acting-half-life) or break_even (whole while its tool is expected to end sooner "
+        "than the engine takes to prefill a full cache, nothing after).",
+        choices=("decay", "break_even"),
+    )
     resume_protection_s: float = setting(
         30.0 * SECONDS,
         "tr: seconds a force-resumed program is protected from being paused again.",

@@ -50,6 +50,10 @@ async def replay(db: Path, router: str) -> list[dict[str, Any]]:
             resume_cooldown=0.05,
             decode_buffer=64,
             acting_half_life=1.0,
+            # At this time scale the engine refills the 6K cache in milliseconds, so break-even
+            # claims would let every idle program go; decayed claims keep them, as the
+            # assertions on kept caches below need.
+            idle_claims="decay",
             max_wait=MAX_WAIT,
             # The tail's times in the same proportions to these as their defaults.
             admission_half_life=6.0,

@@ -352,3 +352,90 @@ async def test_a_resumed_program_is_not_paused_again_before_its_call_goes_out(
         sched.rebalance(trio.current_time())
         assert waiting.status is ProgramStatus.ACTING
     assert waiting.step_count == 1
+
+
+@pytest.mark.parametrize(("claims", "goes_out"), [("break_even", True), ("decay", False)])
+async def test_break_even_claims_let_an_idle_cache_go_once_the_engine_would_refill_it_sooner(
+    autojump_clock: trio.testing.MockClock, claims: str, goes_out: bool
+) -> None:
+    # The ledger learns the engine's prefill rate from a call (6,000 uncached tokens, first
+    # token 0.12 s after it was sent: 20 µs a token), so a 10,000-token cache refills in 0.2 s.
+    # A program idle for a second is then expected to stay away longer than that: under
+    # break-even claims it no longer holds its 6,000 tokens, and a returning call of 5,000 goes
+    # out; with claims that never decay (half-life 0) the same call waits, and the idle program is
+    # paused for it.
+    send, receive = trio.open_memory_channel[AuditRecord](100_000)
+    async with open_backend_pool([B0]) as pool:
+        pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
+        sched = Scheduler(
+            policy=TrPolicy(replace(CFG, idle_claims=claims)),
+            registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
+            pool=pool,
+            audit=AuditLog(send, run_id=1),
+        )
+        harness = Harness(sched, pool, receive)
+        await harness.step("b", 1_000)
+        idle = await begin(sched, "idle", arrived_at=trio.current_time(), context_chars=24_000)
+        await trio.sleep(0.5)
+        sched.close(
+            idle,
+            StepUsage(6_000, 10, 0),
+            reason="response complete",
+            first_token_at=idle.sent_at + 0.12,
+        )
+        assert sched.schedule_of(B0).hold.prefill_s_per_token == pytest.approx(20e-6)
+        await trio.sleep(1.0)
+        harness.records()
+        with trio.move_on_after(1.0):
+            lease = await begin(sched, "b", arrived_at=trio.current_time(), context_chars=20_000)
+            end(sched, lease, 200, StepUsage(4_900, 100, 0))
+        pauses = [d for d in harness.decisions() if d[0] == "pause"]
+        assert sched.registry.get("b").step_count == 2
+        if goes_out:
+            assert pauses == []
+        else:
+            # It was paused on return, resumed at once at its last call's size (1,000 tokens),
+            # and the idle program was paused for the overflow its real size made.
+            assert pauses == [
+                ("pause", "b", "no_room_on_return"),
+                ("pause", "idle", "over_capacity"),
+            ]
+
+
+async def test_a_call_past_half_its_bound_takes_freed_room_without_waiting_for_the_cooldown(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Resume rounds are 5 s apart here and one has just run when the hog's program ends; the
+    # newcomer queued behind it has waited 12 s of its 20 s bound: it goes out at once, not at
+    # the next round (no resume monitor runs: it would otherwise wait for its bound).
+    send, receive = trio.open_memory_channel[AuditRecord](100_000)
+    async with open_backend_pool([B0]) as pool:
+        pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
+        sched = Scheduler(
+            policy=TrPolicy(replace(CFG, resume_cooldown_s=5.0)),
+            registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
+            pool=pool,
+            audit=AuditLog(send, run_id=1),
+        )
+        harness = Harness(sched, pool, receive)
+        hog = await begin(sched, "hog", arrived_at=trio.current_time(), context_chars=32_000)
+        waited: list[float] = []
+
+        async def late_call() -> None:
+            arrived = trio.current_time()
+            lease = await begin(sched, "late", arrived_at=arrived, context_chars=20_000)
+            waited.append(lease.sent_at - arrived)
+            end(sched, lease, 200, StepUsage(4_900, 100, 0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(late_call)
+            await trio.sleep(12)
+            end(sched, hog, 200, StepUsage(7_000, 10, 0))  # idle now, its claim still whole
+            assert not waited
+            sched.schedule_of(B0).last_resume_at = trio.current_time()
+            sched.release("hog")
+        decisions = harness.decisions()
+        assert waited == [12.0]
+        assert ("queue", "late", "capacity_full") in decisions
+        assert ("resume", "late", "capacity_free") in decisions
+        assert not [d for d in decisions if d[0] == "force_resume"]

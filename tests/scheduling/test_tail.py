@@ -123,3 +123,40 @@ def test_a_queued_newcomer_fits_only_where_programs_under_way_keep_room_for_thei
     # A first call sees 6,000 · 2^(-20/60) = 4,762 still claimed: it waits at its boundary.
     assert policy.resume([backend()], [idle, newcomer], cfg, now=20.0) == []
     assert policy.admission_used(backend(), [idle], cfg, now=20.0) == 4_762
+
+
+def test_a_call_past_half_its_bound_takes_its_room_through_the_resume_cooldown() -> None:
+    # Resume rounds are spaced by --resume-cooldown, but a call past half its bound would
+    # otherwise wait for the next round with its room free, and often reach its bound (where
+    # it goes out over capacity): it takes the room whenever a call ends.
+    cfg = replace(CFG, pause_cooldown_s=5.0, resume_cooldown_s=5.0)
+    head = prog("head", P, 3_000, waiting_since=0.0, paused_since=0.0, steps=3)
+    busy = prog("busy", R, 5_000)
+    cooling = backend(last_pause_at=48.0, last_resume_at=48.0)
+    resumed = policy.resume([cooling], [head, busy], cfg, now=50.0)
+    assert [(d.action, d.program_id) for d in resumed] == [(Action.RESUME, "head")]
+    # A call that has not waited that long still waits out the cooldown.
+    early = replace(head, waiting_since=20.0)
+    assert policy.resume([cooling], [early, busy], cfg, now=50.0) == []
+    assert policy.resume([backend(last_resume_at=44.0)], [early, busy], cfg, now=50.0)
+
+
+def test_make_room_at_once_pauses_for_a_call_past_half_its_bound_through_the_cooldown() -> None:
+    cfg = replace(CFG, pause_cooldown_s=5.0)
+    head = prog("head", P, 3_000, waiting_since=0.0, paused_since=0.0, steps=3)
+    idle = prog("idle", A, 4_000, acting_since=49.0, tool_s=10.0)
+    busy = prog("busy", R, 5_000)
+    cooling = backend(last_pause_at=48.0)
+    # By default, room is made in pause rounds: the cooldown holds it back.
+    assert policy.enforce(cooling, [head, idle, busy], cfg, now=50.0) == []
+    at_once = replace(cfg, make_room_at_once=True)
+    # Before half the bound the cooldown holds, as for any round.
+    assert policy.enforce(cooling, [head, idle, busy], at_once, now=49.0) == []
+    decisions = policy.enforce(cooling, [head, idle, busy], at_once, now=50.0)
+    assert [(d.action, d.program_id, d.rule) for d in decisions] == [
+        (Action.PAUSE, "idle", "make_room")
+    ]
+    # An overflow with nobody due keeps to the pause cooldown.
+    crowded = [replace(idle, tokens=6_000), busy]
+    assert policy.enforce(cooling, crowded, at_once, now=50.0) == []
+    assert policy.enforce(backend(last_pause_at=40.0), crowded, at_once, now=50.0)

@@ -84,6 +84,8 @@ class BackendView:
     hold_inputs: dict[str, float] = field(default_factory=dict)
     #: With a CPU KV tier in the capacity: the GPU's own tokens (tiers.py; None: GPU only).
     gpu_tokens: int | None = None
+    #: The engine's fastest prefill per uncached token lately (costs.py; None: not measured).
+    prefill_s_per_token: float | None = None
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,56 @@ def decay(idle_s: float, half_life_s: float) -> float:
     return math.pow(2.0, -max(0.0, idle_s) / half_life_s)
 
 
-def weight(p: ProgramView, cfg: PolicyConfig, now: float, half_life_s: float | None = None) -> int:
+#: The longest an idle program's cache is kept by ``break_even`` claims, whatever the engine.
+MAX_KEEP_S = 120.0
+
+
+def keep_horizon(b: BackendView, cfg: PolicyConfig) -> float | None:
+    """With ``idle_claims = break_even``: how long an idle program's cache is worth keeping on
+    ``b`` (None: decayed claims instead). Keeping ``c`` idle tokens for ``t`` seconds takes
+    ``c·t`` token-seconds from the calls that could run in their place; letting them go costs
+    their prefill, ``c·prefill_s_per_token`` seconds during which every call on the cache
+    waits, ``c·prefill_s_per_token·capacity`` token-seconds. The two are equal at
+    ``t = prefill_s_per_token · capacity``, whatever ``c``: the time the engine takes to
+    prefill a full cache (seconds on a small cache, more on a large one)."""
+    if cfg.idle_claims != "break_even" or b.prefill_s_per_token is None:
+        return None
+    tokens = b.gpu_tokens if b.gpu_tokens is not None else b.capacity_tokens
+    if tokens is None:
+        return None
+    return min(MAX_KEEP_S, b.prefill_s_per_token * tokens * b.capacity_factor)
+
+
+def remaining_tool(p: ProgramView, now: float) -> float:
+    """How much longer an acting program's tool is expected to run: what is left of its last
+    tool's time, or, once it has run past that (or nothing is known), as long again as it has
+    run so far."""
+    idle = 0.0 if p.acting_since is None else now - p.acting_since
+    if p.tool_s is not None and idle < p.tool_s:
+        return p.tool_s - idle
+    return idle
+
+
+def weight(
+    p: ProgramView,
+    cfg: PolicyConfig,
+    now: float,
+    half_life_s: float | None = None,
+    *,
+    horizon_s: float | None = None,
+) -> int:
     """The program's expected claim on KV tokens right now (an idle program's claim halving
-    every ``half_life_s``, by default ``acting_half_life_s``)."""
+    every ``half_life_s``, by default ``acting_half_life_s``; with a ``horizon_s``
+    (``keep_horizon``), whole while its tool is expected to end within it, else nothing)."""
     if p.status is ProgramStatus.REASONING or (
         p.status is ProgramStatus.ACTING and p.waiting_since is not None
     ):
         # An acting program whose request waits was just resumed: its call is about to go out.
         return p.tokens + cfg.decode_buffer
+    if p.status is ProgramStatus.ACTING and horizon_s is not None and half_life_s is None:
+        if remaining_tool(p, now) > horizon_s:
+            return 0
+        return int(p.tokens * cfg.tool_coefficient)
     if p.status is ProgramStatus.ACTING:
         idle = 0.0 if p.acting_since is None else now - p.acting_since
         half_life = cfg.acting_half_life_s if half_life_s is None else half_life_s
@@ -154,10 +198,11 @@ def used_tokens(
     program whose claim has decayed to nothing holds no prefix either)."""
     total = 0
     active = 0
+    horizon = keep_horizon(b, cfg)
     for p in programs:
         if p.backend != b.url or p.marked:
             continue
-        w = weight(p, cfg, now, half_life_s)
+        w = weight(p, cfg, now, half_life_s, horizon_s=horizon)
         if p.status is ProgramStatus.REASONING or (p.status is ProgramStatus.ACTING and w > 0):
             active += 1
             total += w
@@ -334,12 +379,16 @@ def enforce(
     cap = limit(b, cfg, fill=1.0, others=False)
     if cap is None or not b.healthy or not b.hold:
         return []
-    if b.last_pause_at is not None and now - b.last_pause_at < cfg.pause_cooldown_s:
-        return []
     mine = [p for p in programs if p.backend == b.url]
+    head = due(b, mine, cfg, now)
+    # The cooldown spaces rounds of pauses (pausing and resuming at every step churned the
+    # cache). With ``make_room_at_once``, room for a call past half its bound is made whenever
+    # a call ends: it waits less, and more programs are paused for it.
+    cooling = b.last_pause_at is not None and now - b.last_pause_at < cfg.pause_cooldown_s
+    if cooling and (head is None or not cfg.make_room_at_once):
+        return []
     used = used_tokens(b, mine, cfg, now)
     room = cap
-    head = due(b, mine, cfg, now)
     if head is not None:
         target = limit(b, cfg)
         assert target is not None
@@ -353,6 +402,8 @@ def enforce(
         rule = "make_room"
         head_wait = round(now - head.waiting_since, 6) if head.waiting_since is not None else 0.0
         extra = {"detail": {"for": head.program_id, "waited_s": head_wait}}
+    elif cooling:
+        return []
     decisions: list[Decision] = []
     movable = [p for p in mine if not p.marked and p.protected_until <= now]
     # The program whose tool is expected to run the longest goes first: its cache is the
@@ -366,14 +417,17 @@ def enforce(
         ),
         key=lambda p: (-tool_estimate(p, now), -p.tokens),
     )
+    horizon = keep_horizon(b, cfg)
     for p in acting:
-        credit = weight(p, cfg, now)
+        credit = weight(p, cfg, now, horizon_s=horizon)
         if credit <= 0:
             continue
         decisions.append(_decision(Action.PAUSE, p, rule, b, cfg, now, used, cap=room, **extra))
         used -= credit
         if used <= room:
             return decisions
+    if cooling:
+        return decisions
     # Marking is for what pausing idle programs cannot fix: calls in flight that alone exceed
     # the cache, which the engine would answer with preemptions. An overflow made of idle
     # programs' decayed claims is left to them: marking a busy program for it costs that
@@ -496,14 +550,15 @@ def resume(
             continue
         if blocked:
             continue
+        urgent = p.waiting_since is not None and waited >= cfg.max_wait_s / 2
         candidates = ([own] if own else []) + sorted(
             (b for b in group if b is not own),
             key=lambda b: used_by[b.url],
         )
         placed = False
         for b in candidates:
-            if b.url not in ready:
-                continue
+            if b.url not in ready and not urgent:
+                continue  # a call past half its bound takes its room without a cooldown
             used = used_by[b.url]
             if not _fits(p, b, admit_by[b.url] if p.steps == 0 else used, cfg):
                 continue

@@ -13,7 +13,7 @@ from .costs import HoldLedger
 from .learners import CapacityFactor, SharedPrefix
 from .placement import Candidate, choose_backend
 from .policies import Views
-from .policy import BackendView, PolicyConfig, ProgramView, decay, used_tokens
+from .policy import MAX_KEEP_S, BackendView, PolicyConfig, ProgramView, decay, used_tokens
 from .tiers import Tiers
 from .tiers import gate as tier_gate
 
@@ -86,6 +86,7 @@ class ViewSource:
                     hold=hold,
                     hold_inputs=inputs,
                     gpu_tokens=schedule.capacity_tokens if gate.spill_tokens else None,
+                    prefill_s_per_token=schedule.hold.prefill_s_per_token,
                 )
             )
         return views
@@ -146,6 +147,7 @@ class ViewSource:
             return (
                 p.waiting_since is not None
                 or int(tokens * decay(idle, config.acting_half_life_s)) > 0
+                or (config.idle_claims == "break_even" and idle <= MAX_KEEP_S)
             )
 
         def programs() -> list[ProgramView]:
