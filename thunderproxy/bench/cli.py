@@ -168,7 +168,8 @@ def _progress_factory(enabled: bool | None) -> Any:
 @click.option("--overhead", is_flag=True,
               help="Measure proxy overhead instead (a fast trivial backend; --sweep gives "
               "the stream counts, default 1,32,128; --target picks thunderproxy's routers "
-              "and the relays to compare: default, tr, floor, fastapi, litellm).")  # fmt: skip
+              "and the relays to compare: default, tr, floor, floor-trio, fastapi, "
+              "litellm).")  # fmt: skip
 @click.option(
     "--overhead-seconds",
     default=10.0,

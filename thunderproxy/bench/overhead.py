@@ -45,9 +45,10 @@ CHAT = "/v1/chat/completions"
 
 #: The proxy's own routers, and the other relays measured beside them. ``floor`` is this
 #: stack's own floor: a bare ASGI relay on Hypercorn with the proxy's HTTP/1.1 client, no
-#: gateway (``relay_floor.py``).
+#: gateway (``relay_floor.py``); ``floor-trio`` the same relay on bare trio sockets, without
+#: Hypercorn, which tells the ASGI server's share of that floor.
 ROUTERS = ("default", "tr")
-RELAYS = ("floor", "fastapi", "litellm")
+RELAYS = ("floor", "floor-trio", "fastapi", "litellm")
 TARGETS = (*ROUTERS, *RELAYS)
 #: How to install what a relay needs, when it is missing.
 INSTALL = "pip install 'thunderproxy[bench]'"
@@ -359,9 +360,11 @@ async def start_target(
         if profile is not None:
             argv = requestcost.record_argv(profile, argv)
         return await start_child(nursery, f"thunderproxy ({target})", argv, PROXY_LISTENING)
-    if target == "floor":
+    if target in ("floor", "floor-trio"):
         argv = [sys.executable, "-m", "thunderproxy.bench.relay_floor", "--backend", backend]
-        return await start_child(nursery, "floor relay", argv, PROXY_LISTENING)
+        if target == "floor-trio":
+            argv += ["--server", "trio"]
+        return await start_child(nursery, f"{target} relay", argv, PROXY_LISTENING)
     if target == "fastapi":
         argv = [sys.executable, "-m", "thunderproxy.bench.relay_fastapi", "--backend", backend]
         return await start_child(nursery, "fastapi relay", argv, PROXY_LISTENING)

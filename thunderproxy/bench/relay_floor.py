@@ -1,6 +1,8 @@
 """The floor of thunderproxy's stack: a bare ASGI relay on Hypercorn's trio worker, sending
 upstream through thunderproxy's own HTTP/1.1 client (``backends/h1.py``), for ``thunderproxy
-bench --overhead`` (target ``floor``).
+bench --overhead`` (target ``floor``); and, with ``--server trio`` (target ``floor-trio``), the
+same relay behind a minimal HTTP/1.1 server written on trio's sockets, without Hypercorn and h11,
+to tell the ASGI server's share of the floor from trio's.
 
 Each ``POST`` is sent to the backend as it came and its body relayed as each socket read
 brings it: no gateway, no parsing, no scheduling, no audit, no watcher for the client leaving.
@@ -9,6 +11,11 @@ the upstream client cost on their own; thunderproxy's figures beside it show how
 overhead is its own work and how much this stack's.
 
     python -m thunderproxy.bench.relay_floor --backend http://127.0.0.1:8001 --port 0
+    python -m thunderproxy.bench.relay_floor --backend http://127.0.0.1:8001 --server trio
+
+The trio server reads a request head and a ``Content-Length`` body and answers chunked, on
+keep-alive connections: what the bench's client sends, nothing more. It is a measurement, not
+a server to put in front of anything.
 """
 
 from __future__ import annotations
@@ -51,11 +58,7 @@ def create_floor(backend: str, *, max_connections: int = 1024) -> Any:
             parts.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        headers = [
-            (n.decode("latin-1"), v.decode("latin-1"))
-            for n, v in scope["headers"]
-            if n.lower() not in _DROP
-        ]
+        headers = _forwarded(scope["headers"])
         request = UpstreamRequest(scope["method"], scope["path"], headers, b"".join(parts))
         response = await pool.send(request)
         try:
@@ -76,10 +79,75 @@ def create_floor(backend: str, *, max_connections: int = 1024) -> Any:
     return app
 
 
+def _forwarded(headers: Any) -> list[tuple[str, str]]:
+    return [
+        (n.decode("latin-1"), v.decode("latin-1")) for n, v in headers if n.lower() not in _DROP
+    ]
+
+
+async def _serve_trio_connection(pool: H1Pool, stream: trio.SocketStream) -> None:
+    buffer = b""
+    async with stream:
+        while True:
+            while b"\r\n\r\n" not in buffer:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buffer += data
+            head, _, buffer = buffer.partition(b"\r\n\r\n")
+            request_line, *lines = head.split(b"\r\n")
+            method, target, _version = request_line.split(b" ", 2)
+            fields = [tuple(line.split(b":", 1)) for line in lines]
+            headers = [(n.strip().lower(), v.strip()) for n, v in fields]
+            length = int(dict(headers).get(b"content-length", b"0"))
+            while len(buffer) < length:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buffer += data
+            body, buffer = buffer[:length], buffer[length:]
+            request = UpstreamRequest(
+                method.decode("latin-1"), target.decode("latin-1"), _forwarded(headers), body
+            )
+            response = await pool.send(request)
+            try:
+                out = [f"HTTP/1.1 {response.status_code} OK\r\n".encode()]
+                for n, v in response.headers:
+                    if n.lower().encode("latin-1") not in _DROP:
+                        out.append(f"{n}: {v}\r\n".encode("latin-1"))
+                out.append(b"transfer-encoding: chunked\r\n\r\n")
+                await stream.send_all(b"".join(out))
+                async for chunk in response.aiter_raw():
+                    if chunk:
+                        await stream.send_all(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                await stream.send_all(b"0\r\n\r\n")
+            finally:
+                await response.aclose()
+
+
+async def serve_trio(backend: str, sock: socket.socket) -> None:
+    pool = H1Pool(backend, connect_timeout=10.0, max_connections=1024)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+    async def handle(stream: trio.SocketStream) -> None:
+        try:
+            await _serve_trio_connection(pool, stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError):
+            pass  # a client gone or a request this measurement does not read: drop it
+
+    await trio.serve_listeners(handle, [listener])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--backend", required=True, help="the backend's base URL")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument(
+        "--server",
+        choices=("hypercorn", "trio"),
+        default="hypercorn",
+        help="hypercorn: the ASGI relay on Hypercorn (floor); trio: on bare trio sockets",
+    )
     args = parser.parse_args(argv)
     # Bound here, so that port 0 works and the line below names the port actually used.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -87,6 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     sock.bind(("127.0.0.1", args.port))
     sock.listen(2048)
     host, port = sock.getsockname()
+    if args.server == "trio":
+        print(f"floor relay (trio) listening on http://{host}:{port}", file=sys.stderr)
+        sys.stderr.flush()
+        trio.run(serve_trio, args.backend, sock)
+        return
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]
     config.accesslog = None
