@@ -36,8 +36,12 @@ from ..backends.h1 import H1Pool
 _DROP = frozenset({b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive"})
 
 
-def create_floor(backend: str, *, max_connections: int = 1024) -> Any:
-    pool = H1Pool(backend, connect_timeout=10.0, max_connections=max_connections)
+def create_floor(backend: str, *, pool: H1Pool | None = None) -> Any:
+    """The ASGI relay, sending through ``pool`` (a new one by default); closed at lifespan
+    shutdown, and closing it again is harmless."""
+    if pool is None:
+        pool = H1Pool(backend, connect_timeout=10.0, max_connections=1024)
+    upstream = pool
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -46,6 +50,7 @@ def create_floor(backend: str, *, max_connections: int = 1024) -> Any:
                 if message["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 else:
+                    upstream.close()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] != "http":
@@ -60,7 +65,7 @@ def create_floor(backend: str, *, max_connections: int = 1024) -> Any:
                 break
         headers = _forwarded(scope["headers"])
         request = UpstreamRequest(scope["method"], scope["path"], headers, b"".join(parts))
-        response = await pool.send(request)
+        response = await upstream.send(request)
         try:
             answer = [
                 (n.lower().encode("latin-1"), v.encode("latin-1"))
@@ -135,7 +140,10 @@ async def serve_trio(backend: str, sock: socket.socket) -> None:
         except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError):
             pass  # a client gone or a request this measurement does not read: drop it
 
-    await trio.serve_listeners(handle, [listener])
+    try:
+        await trio.serve_listeners(handle, [listener])
+    finally:
+        pool.close()
 
 
 def main(argv: list[str] | None = None) -> None:
