@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import pytest
 import trio
 
 from tests.conftest import query, running_proxy
+from thunderproxy.bench.relay_floor import read_request
 from thunderproxy.http.app import ProxyHTTPConnection
 from thunderproxy.http.fastpath import FastRoutes
 
@@ -62,22 +64,11 @@ async def serve_burst_backend(stream: trio.SocketStream) -> None:
     """A plain-socket backend, so that how its answer is split into writes is exact."""
     buffer = b""
     while True:
-        while b"\r\n\r\n" not in buffer:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            buffer += data
-        head, _, buffer = buffer.partition(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        path = lines[0].split(b" ")[1]
-        length = 0
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        while len(buffer) < length:
-            buffer += await stream.receive_some(65536)
-        buffer = buffer[length:]
+        read = await read_request(stream, buffer)
+        if read is None:
+            return
+        request, buffer = read
+        path = request.target
         if path == b"/v1/chat/completions":
             await stream.send_all(burst_answer(EVENTS))
         elif path == b"/metrics":
@@ -87,6 +78,27 @@ async def serve_burst_backend(stream: trio.SocketStream) -> None:
             await stream.send_all(plain(200, models, b"application/json"))
         else:
             await stream.send_all(plain(200, b"", b"text/plain"))
+
+
+@asynccontextmanager
+async def proxy_before_burst_backend(db: Path) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    """A proxy recording to ``db`` in front of the burst backend, and a client of the proxy."""
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, serve_burst_backend, 0, host="127.0.0.1")
+        )
+        backend_port = listeners[0].socket.getsockname()[1]
+        async with (
+            running_proxy(
+                db,
+                backends=f"http://127.0.0.1:{backend_port}",
+                metrics_interval=600.0,
+                datasette=False,
+            ) as proxy,
+            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+        ):
+            yield proxy, client
+        nursery.cancel_scope.cancel()
 
 
 class SocketCounter:
@@ -109,31 +121,17 @@ class SocketCounter:
 async def relay_one_stream(
     tmp_path: Path, counter: SocketCounter, check: Callable[[int, list[str]], Awaitable[None]]
 ) -> None:
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            partial(trio.serve_tcp, serve_burst_backend, 0, host="127.0.0.1")
-        )
-        backend_port = listeners[0].socket.getsockname()[1]
-        db = tmp_path / "audit.db"
-        async with (
-            running_proxy(
-                db,
-                backends=f"http://127.0.0.1:{backend_port}",
-                metrics_interval=600.0,
-                datasette=False,
-            ) as proxy,
-            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
-        ):
-            proxy_port = int(proxy.url.rsplit(":", 1)[1])
-            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-            with trio.fail_after(30):
-                counter.sends.clear()
-                async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                    assert response.status_code == 200
-                    lines = [line async for line in response.aiter_lines() if line]
-                writes = counter.sends[proxy_port]
-            await check(writes, lines)
-        nursery.cancel_scope.cancel()
+    db = tmp_path / "audit.db"
+    async with proxy_before_burst_backend(db) as (proxy, client):
+        proxy_port = int(proxy.url.rsplit(":", 1)[1])
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with trio.fail_after(30):
+            counter.sends.clear()
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = [line async for line in response.aiter_lines() if line]
+            writes = counter.sends[proxy_port]
+        await check(writes, lines)
     (step,) = query(db, "select status, completion_tokens, prompt_tokens from steps")
     # Usage was read on the way, though the client never saw the usage chunk.
     assert step == {"status": 200, "completion_tokens": EVENTS, "prompt_tokens": 7}
@@ -251,26 +249,12 @@ async def answers(tmp_path: Path) -> list[tuple[int, dict[str, str], bytes]]:
         ("/v1/responses", b"[]", {}),
     ]
     seen: list[tuple[int, dict[str, str], bytes]] = []
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            partial(trio.serve_tcp, serve_burst_backend, 0, host="127.0.0.1")
-        )
-        backend_port = listeners[0].socket.getsockname()[1]
-        db = tmp_path / "audit.db"
-        async with (
-            running_proxy(
-                db,
-                backends=f"http://127.0.0.1:{backend_port}",
-                metrics_interval=600.0,
-                datasette=False,
-            ) as proxy,
-            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
-        ):
-            for path, content, headers in requests:
-                r = await client.post(path, content=content, headers=headers)
-                kept = {k: v for k, v in r.headers.items() if k not in ("date", "x-request-id")}
-                seen.append((r.status_code, kept, r.content))
-        nursery.cancel_scope.cancel()
+    db = tmp_path / "audit.db"
+    async with proxy_before_burst_backend(db) as (_, client):
+        for path, content, headers in requests:
+            r = await client.post(path, content=content, headers=headers)
+            kept = {k: v for k, v in r.headers.items() if k not in ("date", "x-request-id")}
+            seen.append((r.status_code, kept, r.content))
     rows = query(db, "select method, path, status, error_type, message from rejections")
     seen.append((len(rows), {}, json.dumps(rows).encode()))
     return seen

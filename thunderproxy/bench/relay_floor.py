@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -90,29 +91,54 @@ def _forwarded(headers: Any) -> list[tuple[str, str]]:
     ]
 
 
+@dataclass
+class PlainRequest:
+    """One HTTP/1.1 request as ``read_request`` reads it: lower-cased header names."""
+
+    method: bytes
+    target: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+async def read_request(
+    stream: trio.SocketStream, buffer: bytes
+) -> tuple[PlainRequest, bytes] | None:
+    """The next request on ``stream`` after what ``buffer`` holds already, and the bytes read
+    past it; None once the peer closes. Only a head and a ``Content-Length`` body: enough for
+    a measurement's clients, not a parser to face the world."""
+    while b"\r\n\r\n" not in buffer:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buffer += data
+    head, _, buffer = buffer.partition(b"\r\n\r\n")
+    request_line, *lines = head.split(b"\r\n")
+    method, target, _version = request_line.split(b" ", 2)
+    fields = [line.partition(b":") for line in lines]
+    headers = [(name.strip().lower(), value.strip()) for name, _, value in fields]
+    length = int(dict(headers).get(b"content-length", b"0"))
+    while len(buffer) < length:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buffer += data
+    return PlainRequest(method, target, headers, buffer[:length]), buffer[length:]
+
+
 async def _serve_trio_connection(pool: H1Pool, stream: trio.SocketStream) -> None:
     buffer = b""
     async with stream:
         while True:
-            while b"\r\n\r\n" not in buffer:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                buffer += data
-            head, _, buffer = buffer.partition(b"\r\n\r\n")
-            request_line, *lines = head.split(b"\r\n")
-            method, target, _version = request_line.split(b" ", 2)
-            fields = [tuple(line.split(b":", 1)) for line in lines]
-            headers = [(n.strip().lower(), v.strip()) for n, v in fields]
-            length = int(dict(headers).get(b"content-length", b"0"))
-            while len(buffer) < length:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                buffer += data
-            body, buffer = buffer[:length], buffer[length:]
+            read = await read_request(stream, buffer)
+            if read is None:
+                return
+            plain, buffer = read
             request = UpstreamRequest(
-                method.decode("latin-1"), target.decode("latin-1"), _forwarded(headers), body
+                plain.method.decode("latin-1"),
+                plain.target.decode("latin-1"),
+                _forwarded(plain.headers),
+                plain.body,
             )
             response = await pool.send(request)
             try:
