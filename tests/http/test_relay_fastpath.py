@@ -184,38 +184,22 @@ async def relay_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict
 
     monkeypatch.setattr(ProxyHTTPConnection, "__call__", counted_quart)
     monkeypatch.setattr(FastRoutes, "__call__", counted_fast)
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            partial(trio.serve_tcp, serve_burst_backend, 0, host="127.0.0.1")
-        )
-        backend_port = listeners[0].socket.getsockname()[1]
-        async with (
-            running_proxy(
-                tmp_path / "audit.db",
-                backends=f"http://127.0.0.1:{backend_port}",
-                metrics_interval=600.0,
-                datasette=False,
-            ) as proxy,
-            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
-        ):
-            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-            with trio.fail_after(30):
-                # The first call opens the client's connection and the backend's: not counted.
-                for counted in (False, True):
-                    seen.clear()
-                    tasks = TaskCounter()
+    async with proxy_before_burst_backend(tmp_path / "audit.db") as (_, client):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with trio.fail_after(30):
+            # The first call opens the client's connection and the backend's: not counted.
+            for counted in (False, True):
+                seen.clear()
+                tasks = TaskCounter()
+                if counted:
+                    trio.lowlevel.add_instrument(tasks)
+                try:
+                    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                        assert response.status_code == 200
+                        assert [line async for line in response.aiter_lines() if line]
+                finally:
                     if counted:
-                        trio.lowlevel.add_instrument(tasks)
-                    try:
-                        async with client.stream(
-                            "POST", "/v1/chat/completions", json=body
-                        ) as response:
-                            assert response.status_code == 200
-                            assert [line async for line in response.aiter_lines() if line]
-                    finally:
-                        if counted:
-                            trio.lowlevel.remove_instrument(tasks)
-        nursery.cancel_scope.cancel()
+                        trio.lowlevel.remove_instrument(tasks)
     return {**seen, "tasks": tasks.spawned}
 
 
