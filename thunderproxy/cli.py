@@ -13,7 +13,7 @@ import trio
 
 from . import __version__
 from .config import SETTINGS_BY_NAME, Settings, given_values, load_settings, settings_options
-from .errors import ThunderproxyError
+from .errors import ThunderproxyError, our_error
 
 #: serve's --db setting, for the commands that open the same audit db.
 DB = SETTINGS_BY_NAME["db"]
@@ -44,15 +44,6 @@ def cli() -> None:
       thunderproxy migrate --list
       thunderproxy explore thunderproxy.db     # Datasette on a copied audit db
     """
-
-
-def _our_error(exc: BaseException) -> ThunderproxyError | None:
-    """The ThunderproxyError behind ``exc``, also when nurseries wrapped it in groups."""
-    if isinstance(exc, ThunderproxyError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        return _our_error(exc.exceptions[0])
-    return None
 
 
 @cli.command()
@@ -87,7 +78,7 @@ def serve(ctx: click.Context, /, **values: Any) -> None:
     try:
         trio.run(partial(run, settings, handle_signals=True))
     except BaseException as exc:
-        error = _our_error(exc)
+        error = our_error(exc)
         if error is None:
             raise
         raise click.ClickException(error.message) from None

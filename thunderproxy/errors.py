@@ -223,3 +223,12 @@ def describe(error: ThunderproxyError) -> tuple[int, str]:
         if entry is not None:
             return entry
     return ERRORS[ThunderproxyError]
+
+
+def our_error(exc: BaseException) -> ThunderproxyError | None:
+    """The ThunderproxyError behind ``exc``, also when nurseries wrapped it in groups."""
+    if isinstance(exc, ThunderproxyError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return our_error(exc.exceptions[0])
+    return None

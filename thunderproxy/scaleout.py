@@ -37,7 +37,7 @@ import trio
 
 from . import __version__
 from .config import Settings
-from .errors import ThunderproxyError
+from .errors import our_error
 
 log = logging.getLogger("thunderproxy.scaleout")
 
@@ -59,14 +59,6 @@ def worker_settings(settings: Settings, k: int, port: int) -> Settings:
     return dataclasses.replace(settings, port=port, db=worker_db(settings.db, k), workers=1)
 
 
-def _our_error(exc: BaseException) -> ThunderproxyError | None:
-    if isinstance(exc, ThunderproxyError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        return _our_error(exc.exceptions[0])
-    return None
-
-
 def _worker(settings: Settings, ready: int) -> int:
     """The body of one forked worker: a whole proxy on the shared port. Writes its pid and a
     newline to ``ready`` once it serves; returns its exit status."""
@@ -82,7 +74,7 @@ def _worker(settings: Settings, ready: int) -> int:
     except KeyboardInterrupt:
         return 0
     except BaseException as exc:  # noqa: BLE001 - a worker reports and exits, never raises
-        error = _our_error(exc)
+        error = our_error(exc)
         if error is None:
             log.exception("worker %d stopped on an error", os.getpid())
         else:
