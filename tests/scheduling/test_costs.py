@@ -5,22 +5,20 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import pytest
 import trio
 
-from thunderproxy.audit import AuditLog
-from thunderproxy.audit.records import AuditRecord, TransitionRecord
-from thunderproxy.backends import BackendPool, open_backend_pool
-from thunderproxy.programs import ProgramRegistry, StepUsage
-from thunderproxy.scheduling import Scheduler, TrPolicy, costs
+from thunderproxy.programs import StepUsage
+from thunderproxy.scheduling import Scheduler, costs
 from thunderproxy.scheduling.costs import HoldLedger, Mean
 from thunderproxy.scheduling.policy import PolicyConfig
 from thunderproxy.scheduling.scheduler import serve_resume_monitor
 
-from .test_scheduler import B0, begin, snapshot
+from .test_scheduler import B0, begin, open_harness
+from .test_scheduler import CFG as SCHEDULER_CFG
 
 RATE = 25e-6  # prefill seconds per uncached token (20,000 tokens in 0.5 s)
 
@@ -210,30 +208,14 @@ def test_the_horizon_is_where_tr_stops_counting_an_idle_cache() -> None:
     assert costs.horizon_s(PolicyConfig(acting_half_life_s=0.0, idle_lease_s=600)) == 600
 
 
-CFG = PolicyConfig(
-    decode_buffer=0,
-    pause_cooldown_s=0,
-    resume_cooldown_s=0,
-    acting_half_life_s=5.0,
-    target_fill=1.0,
-    max_wait_s=20,
-    resume_protection_s=10,
-    idle_lease_s=300,
-)
+#: The scheduler tests' configuration, with idle claims that halve every 5 s.
+CFG = replace(SCHEDULER_CFG, acting_half_life_s=5.0)
 
 
 @pytest.fixture
 async def scheduler() -> AsyncIterator[Scheduler]:
-    send, _receive = trio.open_memory_channel[AuditRecord](100_000)
-    pool: BackendPool
-    async with open_backend_pool([B0]) as pool:
-        pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
-        yield Scheduler(
-            policy=TrPolicy(CFG),
-            registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
-            pool=pool,
-            audit=AuditLog(send, run_id=1),
-        )
+    async with open_harness(CFG) as harness:
+        yield harness.scheduler
 
 
 async def test_a_program_back_after_the_horizon_carries_no_history_holding_could_keep(

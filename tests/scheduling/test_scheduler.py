@@ -4,6 +4,7 @@ sockets and no SQLite (records are read straight off the audit channel)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -91,18 +92,25 @@ CFG = PolicyConfig(
 )
 
 
-@pytest.fixture
-async def harness() -> AsyncIterator[Harness]:
+@asynccontextmanager
+async def open_harness(cfg: PolicyConfig = CFG) -> AsyncIterator[Harness]:
+    """A tr scheduler with ``cfg`` over one backend of 10,000 KV tokens, and its records."""
     send, receive = trio.open_memory_channel[AuditRecord](100_000)
     async with open_backend_pool([B0]) as pool:
         pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
         scheduler = Scheduler(
-            policy=TrPolicy(CFG),
+            policy=TrPolicy(cfg),
             registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
             pool=pool,
             audit=AuditLog(send, run_id=1),
         )
         yield Harness(scheduler, pool, receive)
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    async with open_harness() as harness:
+        yield harness
 
 
 @pytest.mark.parametrize(
@@ -364,16 +372,8 @@ async def test_break_even_claims_let_an_idle_cache_go_once_the_engine_would_refi
     # break-even claims it no longer holds its 6,000 tokens, and a returning call of 5,000 goes
     # out; with claims that never decay (half-life 0) the same call waits, and the idle program is
     # paused for it.
-    send, receive = trio.open_memory_channel[AuditRecord](100_000)
-    async with open_backend_pool([B0]) as pool:
-        pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
-        sched = Scheduler(
-            policy=TrPolicy(replace(CFG, idle_claims=claims)),
-            registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
-            pool=pool,
-            audit=AuditLog(send, run_id=1),
-        )
-        harness = Harness(sched, pool, receive)
+    async with open_harness(replace(CFG, idle_claims=claims)) as harness:
+        sched = harness.scheduler
         await harness.step("b", 1_000)
         idle = await begin(sched, "idle", arrived_at=trio.current_time(), context_chars=24_000)
         await trio.sleep(0.5)
@@ -408,16 +408,8 @@ async def test_a_call_past_half_its_bound_takes_freed_room_without_waiting_for_t
     # Resume rounds are 5 s apart here and one has just run when the hog's program ends; the
     # newcomer queued behind it has waited 12 s of its 20 s bound: it goes out at once, not at
     # the next round (no resume monitor runs: it would otherwise wait for its bound).
-    send, receive = trio.open_memory_channel[AuditRecord](100_000)
-    async with open_backend_pool([B0]) as pool:
-        pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
-        sched = Scheduler(
-            policy=TrPolicy(replace(CFG, resume_cooldown_s=5.0)),
-            registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
-            pool=pool,
-            audit=AuditLog(send, run_id=1),
-        )
-        harness = Harness(sched, pool, receive)
+    async with open_harness(replace(CFG, resume_cooldown_s=5.0)) as harness:
+        sched = harness.scheduler
         hog = await begin(sched, "hog", arrived_at=trio.current_time(), context_chars=32_000)
         waited: list[float] = []
 
