@@ -51,7 +51,7 @@ from .fastpath import (
 )
 from .guard import PassthroughGuard, parse_prefixes, reads_allowed
 from .listing import next_link, page, parse_query
-from .proxy import CLEANUP_KEY, RECORDED_KEY, Proxy, parse_json_object
+from .proxy import RECORDED_KEY, Proxy, parse_json_object, run_cleanups
 from .readiness import Readiness
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
@@ -128,10 +128,7 @@ class ProxyHTTPConnection(TrioASGIHTTPConnection):
             with drain.exchange():
                 await super().__call__(receive, send_end_shielded)
         finally:
-            scope: dict[str, Any] = self.scope  # type: ignore[assignment]
-            for cleanup in scope.get(CLEANUP_KEY, ()):
-                with trio.CancelScope(shield=True):
-                    await cleanup()
+            await run_cleanups(self.scope)  # type: ignore[arg-type]
 
 
 class ThunderproxyApp(QuartTrio):

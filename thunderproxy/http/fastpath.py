@@ -46,7 +46,7 @@ from ..protocols import Protocol
 from .drain import Drain
 from .edges import Edges, Reply
 from .errors import error_parts
-from .proxy import CLEANUP_KEY, RECORDED_KEY
+from .proxy import RECORDED_KEY, run_cleanups
 from .readiness import Readiness
 
 log = logging.getLogger("thunderproxy.http")
@@ -134,9 +134,7 @@ class FastRoutes:
             try:
                 await self._exchange(scope, receive, send, protocol)
             finally:
-                for cleanup in scope.get(CLEANUP_KEY, ()):
-                    with trio.CancelScope(shield=True):
-                        await cleanup()
+                await run_cleanups(scope)
 
     async def _exchange(
         self,

@@ -57,6 +57,13 @@ def add_cleanup(scope: dict[str, Any], cleanup: Cleanup) -> None:
     scope.setdefault(CLEANUP_KEY, []).append(cleanup)
 
 
+async def run_cleanups(scope: dict[str, Any]) -> None:
+    """Run the exchange's cleanups as it ends, each shielded: the end may be a cancellation."""
+    for cleanup in scope.get(CLEANUP_KEY, ()):
+        with trio.CancelScope(shield=True):
+            await cleanup()
+
+
 def forward_headers(
     headers: Iterable[tuple[str, str]], *, drop: frozenset[str] = frozenset()
 ) -> list[tuple[str, str]]:
