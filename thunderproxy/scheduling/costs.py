@@ -232,10 +232,6 @@ class HoldLedger:
             return None
         return self.on.mean + self.gain.mean
 
-    @property
-    def pays(self) -> bool:
-        return self.holding
-
     def inputs(self) -> dict[str, float]:
         """What the decision rests on, for the decision log."""
 

@@ -96,7 +96,7 @@ class ViewSource:
         what its ledger measured), and the measurements behind it."""
         mode = self.config.hold
         if mode == "auto":
-            return schedule.hold.pays, schedule.hold.inputs()
+            return schedule.hold.holding, schedule.hold.inputs()
         return mode == "always", {}
 
     def used_by_backend(self, now: float) -> dict[str, int]:
