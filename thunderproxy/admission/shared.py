@@ -353,17 +353,16 @@ return answer({1})
 """
 )
 
-# ARGV after the common ones: n, then n claims in the order they were asked (each: the backend,
-# this instance's demand on it, i.e. its claims there with the call that asks as the policy's
-# rule counts them, the fill the rule targets there, and 1 where the call may go out unchecked
-# while no other instance is live, else 0), then this instance's claims on every backend with
-# the calls (backend, tokens pairs). Grants a claim only when the other live instances' claims
-# on its backend plus its demand fit its target, or, for a call of the last kind, when no
-# other instance is live: the same test as tr's (scheduling/claims.py,
-# ``fits``), made where no other instance can claim in between; writes the claims when any is
-# granted. Each demand already counts the calls asked before it (the instance counts a call
-# before asking), so a refused claim only makes the ones after it safer. Returns n, a 1
-# (granted) or 0 per claim, then the sums as PUBLISH_KV does.
+# ARGV after the common ones: n, then n claims in the order they were asked (each: the backend, this
+# instance's demand on it, i.e. its claims there with the call that asks as the policy's rule counts
+# them, the fill the rule targets there, and 1 where the call may go out unchecked while no other
+# instance is live, else 0), then this instance's claims on every backend with the calls (backend,
+# tokens pairs). Grants a claim only when the other live instances' claims on its backend plus its
+# demand fit its target, or, for a call of the last kind, when no other instance is live: the same
+# test as tr's (scheduling/claims.py, ``fits``), made where no other instance can claim in between;
+# writes the claims when any is granted. Each demand already counts the calls asked before it (the
+# instance counts a call before asking), so a refused claim only makes the ones after it safer.
+# Returns n, a 1 (granted) or 0 per claim, then the sums as PUBLISH_KV does.
 CLAIM_KV = (
     KV_READ
     + """
@@ -415,10 +414,9 @@ class SharedBackends:
     KV beyond what the instance published (a program's first call, one that waited, a
     returning one), ``claim`` checks its KV tokens against the backend's target with every
     live instance's claims and adds them, in one script: two instances cannot both take the
-    last room. Redis away: the claims are not
-    checked (the local view decides alone) and the others' tokens are taken as zero after
-    three heartbeats without an answer (each instance then schedules alone, as without
-    Redis); /health says so (``statistics``)."""
+    last room. Redis away: the claims are not checked (the local view decides alone) and the
+    others' tokens are taken as zero after three heartbeats without an answer (each instance
+    then schedules alone, as without Redis); /health says so (``statistics``)."""
 
     def __init__(
         self, url: str, instance: str, *, heartbeat_s: float = 1.0, affinity_ttl_s: float = 600.0

@@ -64,11 +64,11 @@ def holds(ledger: bool, shared: bool) -> bool:
     through two workers (docs/BENCHMARKS.md, "Scale-out"): with the ledger deciding, 445 calls
     of 768 went out under ``hold_does_not_pay`` and every call running beside each of the 5
     preemptions was one of them; checking those calls in Redis but granting them while the
-    other worker claimed nothing still left 5 and 6, each worker in turn filling a backend
-    two to three times over while the other was idle. So while others are live, tr holds, as
-    under ``hold = always``: the fit test against the shared sums (``policy.limit`` takes the
-    others' claims off), the gate on returns, the resumes in order. Alone (one instance with
-    Redis, or Redis away), the ledger decides as without Redis."""
+    other worker claimed nothing still left 5 to 8 (four runs), each worker in turn filling a
+    backend two to three times over while the other was idle. So while others are live, tr
+    holds, as under ``hold = always``: the fit test against the shared sums (``policy.limit``
+    takes the others' claims off), the gate on returns, the resumes in order. Alone (one
+    instance with Redis, or Redis away), the ledger decides as without Redis."""
     return ledger or shared
 
 

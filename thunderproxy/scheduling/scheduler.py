@@ -100,7 +100,7 @@ class Scheduler:
         )
         self.affinity = affinity
         #: With other instances in front of the same backends, tr's fit test is made again in
-        #: Redis for calls that were not running (``_claim``); None: this instance decides alone.
+        #: Redis for every call that adds KV (``_claim``); None: this instance decides alone.
         self.claims = claims
         #: Per backend, the growth of returning calls whose claims are being checked.
         self._pending: dict[str, int] = {}
