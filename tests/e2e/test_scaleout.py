@@ -66,9 +66,10 @@ async def test_two_workers_share_one_port_and_tr_state(
     assert len(outcome.calls_per_worker) == 2
     assert min(outcome.calls_per_worker) > 0, outcome.calls_per_worker
     assert sum(outcome.calls_per_worker) == outcome.calls
-    # The two together never made the engine preempt a running call for want of KV: a call
-    # that was not running goes out only once Redis granted its claim against the claims of
-    # both workers at once (docs/DEPLOY.md, "KV claims").
+    # The two together never made the engine preempt a running call for want of KV: every
+    # call that adds KV goes out only once Redis granted its claim against the claims of both
+    # workers at once, and while the other worker is live tr holds whatever its hold ledger
+    # measured (docs/DEPLOY.md, "KV claims").
     assert outcome.preemptions == 0, outcome
 
 

@@ -300,15 +300,18 @@ NUDGE_GAP_S = 0.005
 # tokens. ARGV: instance, now, stale before, ttl ms, hash prefix, seq. Refreshes the caller's
 # beat, counts out the instances whose last beat is older than LIVE heartbeats (their claims
 # vanish with them: only live instances' hashes are summed), sums the other live instances'
-# claims per backend, and tells whether this write is newer than the one Redis holds: writes
-# may arrive out of the order they were computed in (each command takes a connection of the
-# pool), and the newest computed must win, not the last arrived.
+# claims per backend and counts those instances, and tells whether this write is newer than the
+# one Redis holds: writes may arrive out of the order they were computed in (each command takes
+# a connection of the pool), and the newest computed must win, not the last arrived. Every
+# answer ends with the backend, tokens pairs and the pair '#others', the live others' count.
 KV_READ = """
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
 local sums = {}
+local live = 0
 for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if other ~= ARGV[1] then
+    live = live + 1
     local h = redis.call('HGETALL', ARGV[5] .. other)
     for i = 1, #h, 2 do
       if string.sub(h[i], 1, 1) ~= '#' then
@@ -334,6 +337,8 @@ local function answer(heads)
     out[#out + 1] = backend
     out[#out + 1] = tostring(tokens)
   end
+  out[#out + 1] = '#others'
+  out[#out + 1] = tostring(live)
   return out
 end
 """
@@ -348,15 +353,16 @@ return answer({1})
 """
 )
 
-# ARGV after the common ones: n, then n claims in the order they were asked (each: the backend,
-# this instance's demand on it, i.e. its claims there with the call that asks as the policy's
-# rule counts them, and the fill the rule targets there), then this instance's claims on every
-# backend with the calls (backend, tokens pairs). Grants a claim only when the other live
-# instances' claims on its backend plus its demand fit its target: the same test as tr's
-# (scheduling/claims.py), made where no other instance can claim in between; writes the claims
-# when any is granted. Each demand already counts the calls asked before it (the instance
-# counts a call before asking), so a refused claim only makes the ones after it safer. Returns
-# n, a 1 (granted) or 0 per claim, then the sums as PUBLISH_KV does.
+# ARGV after the common ones: n, then n claims in the order they were asked (each: the backend, this
+# instance's demand on it, i.e. its claims there with the call that asks as the policy's rule counts
+# them, the fill the rule targets there, and 1 where the call may go out unchecked while no other
+# instance is live, else 0), then this instance's claims on every backend with the calls (backend,
+# tokens pairs). Grants a claim only when the other live instances' claims on its backend plus its
+# demand fit its target, or, for a call of the last kind, when no other instance is live: the same
+# test as tr's (scheduling/claims.py, ``fits``), made where no other instance can claim in between;
+# writes the claims when any is granted. Each demand already counts the calls asked before it (the
+# instance counts a call before asking), so a refused claim only makes the ones after it safer.
+# Returns n, a 1 (granted) or 0 per claim, then the sums as PUBLISH_KV does.
 CLAIM_KV = (
     KV_READ
     + """
@@ -364,16 +370,17 @@ local n = tonumber(ARGV[7])
 local out = {n}
 local any = false
 for i = 0, n - 1 do
-  local at = 8 + 3 * i
-  if (sums[ARGV[at]] or 0) + tonumber(ARGV[at + 1]) > tonumber(ARGV[at + 2]) then
-    out[#out + 1] = 0
-  else
+  local at = 8 + 4 * i
+  if (ARGV[at + 3] == '1' and live == 0)
+      or (sums[ARGV[at]] or 0) + tonumber(ARGV[at + 1]) <= tonumber(ARGV[at + 2]) then
     out[#out + 1] = 1
     any = true
+  else
+    out[#out + 1] = 0
   end
 end
 if any then
-  write(8 + 3 * n)
+  write(8 + 4 * n)
 else
   redis.call('PEXPIRE', KEYS[2], ARGV[4])
 end
@@ -389,6 +396,7 @@ class _Claim:
     backend: str
     demand: int
     whole: int
+    alone: bool
     asked_at: float
     done: trio.Event = field(default_factory=trio.Event)
     granted: bool = True
@@ -402,13 +410,13 @@ class SharedBackends:
     ``BEATS`` times per ``heartbeat_s`` the instance replaces its own hash of backend -> tokens
     and reads the sum of the other live instances' hashes, in one round trip; an instance whose
     last beat is older than ``LIVE`` heartbeats is counted out, so a dead instance's claims are
-    gone from every sum within one heartbeat of its death. When tr lets a call go out that was
-    not running (a program's first call, or one that waited), ``claim`` checks its KV tokens
-    against the backend's target with every live instance's claims and adds them, in one
-    script: two instances cannot both take the last room. Redis away: the claims are not
-    checked (the local view decides alone) and the others' tokens are taken as zero after
-    three heartbeats without an answer (each instance then schedules alone, as without
-    Redis); /health says so (``statistics``)."""
+    gone from every sum within one heartbeat of its death. When tr lets a call go out that adds
+    KV beyond what the instance published (a program's first call, one that waited, a
+    returning one), ``claim`` checks its KV tokens against the backend's target with every
+    live instance's claims and adds them, in one script: two instances cannot both take the
+    last room. Redis away: the claims are not checked (the local view decides alone) and the
+    others' tokens are taken as zero after three heartbeats without an answer (each instance
+    then schedules alone, as without Redis); /health says so (``statistics``)."""
 
     def __init__(
         self, url: str, instance: str, *, heartbeat_s: float = 1.0, affinity_ttl_s: float = 600.0
@@ -440,10 +448,11 @@ class SharedBackends:
         self._claim_s_max = 0.0
         #: Claims asked since the last batch went out, and the signal that there are some.
         self._asked: list[_Claim] = []
-        self._asking = (
-            trio.Event()
-        )  #: Tokens the other live instances claim on each backend, from the last answer.
+        self._asking = trio.Event()
+        #: Tokens the other live instances claim on each backend, and how many other instances
+        #: are live, from the last answer.
         self._others: dict[str, int] = {}
+        self._live_others = 0
         self._others_at: float | None = None
         #: Set when a call was placed: this instance's claims changed, publish them soon.
         self._nudged = trio.Event()
@@ -456,9 +465,18 @@ class SharedBackends:
     def others(self, backend: str) -> int:
         """Tokens the other instances' programs claim on ``backend`` (0 when not known for
         three heartbeats: a stale claim would keep this instance's programs paused)."""
-        if self._others_at is None or trio.current_time() - self._others_at > 3 * self.heartbeat_s:
+        if self._stale():
             return 0
         return self._others.get(backend, 0)
+
+    def shared(self) -> bool:
+        """Whether other live instances share the backends (False when not known for three
+        heartbeats: this instance then schedules alone, as without Redis)."""
+        return not self._stale() and self._live_others > 0
+
+    def _stale(self) -> bool:
+        at = self._others_at
+        return at is None or trio.current_time() - at > 3 * self.heartbeat_s
 
     def _args(self, mine: dict[str, int]) -> tuple[list[Any], list[Any]]:
         """The common script arguments for a write computed now, and ``mine`` as pairs."""
@@ -482,12 +500,15 @@ class SharedBackends:
         return [f"{KV_PREFIX}:instances", f"{KV_PREFIX}:used:{self.instance}"]
 
     def _answered(self, answer: Any, heads: int = 1) -> None:
-        """Take in a script's answer: ``heads`` values, then backend, tokens pairs."""
+        """Take in a script's answer: ``heads`` values, then backend, tokens pairs, the last
+        one the live others' count (KV_READ)."""
         if not self.reachable:
             log.info("Redis at %s reachable; tr counts the other instances' KV claims", self.url)
         self.reachable = True
         self.away_since = None
-        self._others = {str(answer[i]): int(answer[i + 1]) for i in range(heads, len(answer), 2)}
+        others = {str(answer[i]): int(answer[i + 1]) for i in range(heads, len(answer), 2)}
+        self._live_others = others.pop("#others", 0)
+        self._others = others
         self._others_at = trio.current_time()
 
     def _away(self, exc: BaseException) -> None:
@@ -514,10 +535,12 @@ class SharedBackends:
             return
         self._answered(answer)
 
-    async def claim(self, backend: str, demand: int, whole: int) -> bool:
+    async def claim(self, backend: str, demand: int, whole: int, *, alone: bool = False) -> bool:
         """Claim KV on ``backend`` for a call about to go out, atomically with every other
         live instance: granted (and this instance's claims written, the call's included) when
-        the others' claims there plus ``demand`` fit ``whole``; refused otherwise, and the
+        the others' claims there plus ``demand`` fit ``whole``, or, with ``alone`` (this
+        instance's view holds no other live instance and holding does not pay for it there:
+        scheduling/claims.py), when no other instance is live; refused otherwise, and the
         others' claims just read are what ``others`` answers from now on. Redis away (or not
         yet answered): granted unchecked, the local view having decided alone.
 
@@ -526,7 +549,7 @@ class SharedBackends:
         if not self.reachable or self._mine is None:
             self.unchecked += 1
             return True
-        asked = _Claim(backend, demand, whole, trio.current_time())
+        asked = _Claim(backend, demand, whole, alone, trio.current_time())
         self._asked.append(asked)
         self._asking.set()
         await asked.done.wait()
@@ -549,7 +572,7 @@ class SharedBackends:
             head, pairs = self._args(self._mine())
             asks: list[Any] = [len(batch)]
             for c in batch:
-                asks += [c.backend, c.demand, c.whole]
+                asks += [c.backend, c.demand, c.whole, int(c.alone)]
             with trio.fail_after(COMMAND_TIMEOUT_S):
                 self.round_trips += 1
                 answer: Any = await self._claim(keys=self._keys(), args=head + asks + pairs)
@@ -659,6 +682,8 @@ class SharedBackends:
             if self.away_since is None
             else math.floor(trio.current_time() - self.away_since),
             "others_tokens": dict(sorted(self._others.items())),
+            # Other live instances as last read: while there are any, tr holds (claims.holds).
+            "other_instances": self._live_others,
             # Calls whose KV claim Redis checked and granted, refused (the program then waited
             # as on a full backend), and let through unchecked while Redis was away.
             "claims": {

@@ -64,9 +64,13 @@ class Affinity(Protocol):
 class Claims(Protocol):
     """KV claims checked atomically with other instances' (Redis: ``SharedBackends.claim``)."""
 
-    def claim(self, backend: str, demand: int, whole: int) -> Awaitable[bool]: ...
+    def claim(
+        self, backend: str, demand: int, whole: int, *, alone: bool = False
+    ) -> Awaitable[bool]: ...
 
     def others(self, backend: str) -> int: ...
+
+    def shared(self) -> bool: ...
 
 
 class Scheduler:
@@ -87,10 +91,16 @@ class Scheduler:
         self.pool = pool
         self.audit = audit
         self._now = clock
-        self.source = ViewSource(registry, pool, policy.config, others=other_tokens)
+        self.source = ViewSource(
+            registry,
+            pool,
+            policy.config,
+            others=other_tokens,
+            shared=None if claims is None else claims.shared,
+        )
         self.affinity = affinity
         #: With other instances in front of the same backends, tr's fit test is made again in
-        #: Redis for calls that were not running (``_claim``); None: this instance decides alone.
+        #: Redis for every call that adds KV (``_claim``); None: this instance decides alone.
         self.claims = claims
         #: Per backend, the growth of returning calls whose claims are being checked.
         self._pending: dict[str, int] = {}
@@ -188,9 +198,12 @@ class Scheduler:
             while program.status is ProgramStatus.PAUSED:
                 await self._wait_for_resume(program, arrived_at)
                 fresh, gate = True, None
-            # A returning call the gate found room for grows the program's claim to its whole
-            # context: checked too (against the whole capacity, as the gate does).
-            grows = gate.program_tokens if gate is not None and gate.rule == "fits" else None
+            # A returning call the gate let through grows the program's claim to its whole
+            # context: checked too (against the whole capacity, as the gate does), also where
+            # the gate let it through because holding does not pay (claims.holds).
+            grows = None
+            if gate is not None and gate.action is Action.ADMIT:
+                grows = gate.program_tokens
             gate = None
             if (fresh or grows) and not await self._claim(
                 program, route, arrived_at, context_chars, grows
@@ -251,8 +264,14 @@ class Scheduler:
             # A first call that waited was sized when it arrived; what the prompts taught
             # since (calls of other programs) sizes it better now, before it is weighed.
             estimate = self._sizer(program.model).estimate(context_chars)
-            if estimate > program.total_tokens:
-                self.registry.set_tokens(program, estimate)
+        else:
+            # A later call is weighed at its whole context, as the gate sizes it and its step
+            # will count it (state.begin_step), also after a wait: weighed at what its last
+            # call left, a program paused for its growth would be resumed into room its call
+            # does not fit, refused again, resumed again.
+            estimate = self._call_tokens(program, context_chars)
+        if estimate > program.total_tokens:
+            self.registry.set_tokens(program, estimate)
         now = self._now()
         views = self.views()
         programs = views.programs
@@ -283,7 +302,9 @@ class Scheduler:
         )
         self._pending[ask.backend] = pending + growth
         try:
-            granted = await self.claims.claim(ask.backend, ask.demand + pending, ask.whole)
+            granted = await self.claims.claim(
+                ask.backend, ask.demand + pending, ask.whole, alone=ask.alone
+            )
         finally:
             self._pending[ask.backend] -= growth
         if granted:
@@ -328,10 +349,7 @@ class Scheduler:
         node = self.pool.get(program.backend)
         if node is None or not node.healthy:
             return None  # placement moves it first; the new backend's own rebalance follows
-        if program.prompt_tokens_total:
-            estimate = program_estimate(context_chars, program.chars_per_token)
-        else:
-            estimate = self._sizer(program.model).estimate(context_chars)
+        estimate = self._call_tokens(program, context_chars)
         view = replace(
             self.source.program_view(program), tokens=max(program.total_tokens, estimate)
         )
@@ -342,6 +360,13 @@ class Scheduler:
             self.registry.pause(program, now, reason=f"paused: {decision.rule}")
             self.registry.set_waiting(program, arrived_at)
         return decision
+
+    def _call_tokens(self, program: Program, context_chars: int) -> int:
+        """A known program's next prompt, from its context: at its own measured rate once a
+        call of it was measured, else at its model's."""
+        if program.prompt_tokens_total:
+            return program_estimate(context_chars, program.chars_per_token)
+        return self._sizer(program.model).estimate(context_chars)
 
     def _sizer(self, model: str | None) -> PromptSizer:
         return self._sizers.get(model) or PromptSizer()

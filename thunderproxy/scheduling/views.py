@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..backends import BackendNode, BackendPool, Route
 from ..errors import ModelNotFound, NoBackendAvailable
 from ..programs import Program, ProgramRegistry
+from .claims import holds
 from .costs import HoldLedger
 from .learners import CapacityFactor, SharedPrefix
 from .placement import Candidate, choose_backend
@@ -42,6 +43,7 @@ class ViewSource:
         config: PolicyConfig,
         *,
         others: Callable[[str], int] | None = None,
+        shared: Callable[[], bool] | None = None,
     ) -> None:
         self.registry = registry
         self.pool = pool
@@ -49,6 +51,9 @@ class ViewSource:
         #: Tokens other instances' programs claim on a backend (shared through Redis); they
         #: come off its capacity (policy.limit), so tr admits here only what fits beside them.
         self.others = others
+        #: Whether other live instances share the backends (Redis); where they do, tr holds
+        #: whatever the hold ledger says (claims.holds).
+        self.shared = shared
         self._schedules: dict[str, BackendSchedule] = {}
         #: Backends serving each model; cleared by ``refresh`` (after each metrics poll).
         self._eligible: dict[str | None, frozenset[str] | None] = {}
@@ -93,10 +98,12 @@ class ViewSource:
 
     def holding(self, schedule: BackendSchedule) -> tuple[bool, dict[str, float]]:
         """Whether tr holds programs back on a backend (the ``hold`` setting, or in ``auto``
-        what its ledger measured), and the measurements behind it."""
+        what its ledger measured, and always while other instances share the backends:
+        claims.holds), and the measurements behind it."""
         mode = self.config.hold
         if mode == "auto":
-            return schedule.hold.holding, schedule.hold.inputs()
+            shared = self.shared is not None and self.shared()
+            return holds(schedule.hold.holding, shared), schedule.hold.inputs()
         return mode == "always", {}
 
     def used_by_backend(self, now: float) -> dict[str, int]:
