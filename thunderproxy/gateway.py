@@ -31,6 +31,7 @@ import trio
 from .audit import AuditLog, StepRecord
 from .audit.records import RejectionRecord
 from .backends import BackendNode, BackendPool, UpstreamRequest, UpstreamResponse, header
+from .backends.h1 import H1Response
 from .backends.pool import Route
 from .errors import (
     BackendError,
@@ -188,23 +189,37 @@ class Exchange:
         """The answer's body as it arrives, usage read on the way. A backend that fails
         mid-way ends the stream with the wire's error event (the 200 is already out)."""
         tap = self.call.wire.tap(self.call)
-        chunks = self.response.aiter_raw()
+        read_timeout = self.gateway.read_timeout
+        # The relay's own client keeps the read deadline where it waits, and only when it
+        # must wait; any other answer is read under a cancel scope per chunk, which costs as
+        # much as the rest of a chunk's relay when the chunk was already there.
+        timed = isinstance(self.response, H1Response)
+        chunks = (
+            self.response.aiter_raw(read_timeout)
+            if isinstance(self.response, H1Response)
+            else self.response.aiter_raw()
+        )
         first_byte_at: float | None = None
         #: The last bytes relayed: an error event must not be glued to a half-sent event.
         relayed_tail = b""
-        read_timeout = self.gateway.read_timeout
         try:
             while True:
                 error: BackendError | None = None
                 try:
-                    # A bare scope, not fail_after: this runs once per chunk, and fail_after's
-                    # context-manager layers cost as much as the scope itself.
-                    with trio.CancelScope(deadline=trio.current_time() + read_timeout) as scope:
+                    if timed:
                         chunk = await chunks.__anext__()
-                    if scope.cancelled_caught:
-                        error = self.gateway.timeout(self.node)
+                    else:
+                        # A bare scope, not fail_after: fail_after's context-manager layers
+                        # cost as much as the scope itself.
+                        deadline = trio.current_time() + read_timeout
+                        with trio.CancelScope(deadline=deadline) as scope:
+                            chunk = await chunks.__anext__()
+                        if scope.cancelled_caught:
+                            error = self.gateway.timeout(self.node)
                 except StopAsyncIteration:
                     break
+                except trio.TooSlowError:
+                    error = self.gateway.timeout(self.node)
                 except BackendError as exc:
                     error = exc
                 if error is not None:

@@ -87,12 +87,21 @@ class Connection:
                 raise
         raise error
 
-    async def receive(self, size: int) -> bytes:
+    async def receive(self, size: int, deadline: float | None = None) -> bytes:
+        """Up to ``size`` bytes, at once if some are waiting; else the wait for them, which
+        raises trio.TooSlowError at ``deadline`` (only a wait needs a cancel scope: the relay
+        reads a stream that fell behind without one)."""
         while True:
             try:
                 return self.sock.recv(size)
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self.sock)
+                if deadline is None:
+                    await trio.lowlevel.wait_readable(self.sock)
+                    continue
+                with trio.CancelScope(deadline=deadline) as scope:
+                    await trio.lowlevel.wait_readable(self.sock)
+                if scope.cancelled_caught:
+                    raise trio.TooSlowError from None
 
     async def send_all(self, data: bytes) -> None:
         view = memoryview(data)
@@ -226,11 +235,14 @@ class H1Response:
     def headers(self) -> Sequence[tuple[str, str]]:
         return self._headers
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """The body as the socket delivers it, de-chunked: one piece per read."""
+    async def aiter_raw(self, read_timeout: float | None = None) -> AsyncIterator[bytes]:
+        """The body as the socket delivers it, de-chunked: one piece per read. With a
+        ``read_timeout``, each piece must come within that many seconds of being asked for,
+        else trio.TooSlowError (the gateway's read deadline, kept here where the waits are)."""
         data = self._rest
         self._rest = b""
         decoder = self._chunked
+        deadline = None if read_timeout is None else trio.current_time() + read_timeout
         while not self._complete:
             if data:
                 if decoder is not None:
@@ -254,13 +266,15 @@ class H1Response:
                     self._release()
                 if out:
                     yield out
+                    if read_timeout is not None:
+                        deadline = trio.current_time() + read_timeout
                 if self._complete:
                     return
             stream = self._stream
             if stream is None:
                 raise self._pool.unavailable("the response was closed before its end")
             try:
-                data = await stream.receive(READ_SIZE)
+                data = await stream.receive(READ_SIZE, deadline)
             except (OSError, trio.ClosedResourceError):
                 self._abort()
                 raise self._pool.unavailable("dropped the connection") from None
