@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -128,6 +128,10 @@ class AdmitAll:
         return None
 
 
+def _dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
 @dataclass(frozen=True)
 class Call:
     """One LLM call, protocol-neutral: what to send, for which program, since when."""
@@ -148,6 +152,9 @@ class Call:
     #: How the program was recognised (programs/recognition.py's Source), recorded when this
     #: call creates its program.
     source: str | None = None
+    #: The body (this one, or it with another model) as the bytes sent; an edge that kept the
+    #: client's bytes sends them again for what did not change (http/body.py).
+    encode: Callable[[dict[str, Any]], bytes] = field(default=_dumps, repr=False)
 
 
 @dataclass
@@ -387,7 +394,7 @@ class Gateway:
         if not any(name.lower() == "x-request-id" for name, _ in headers):
             # <program>-<step> names the call in vLLM's logs and the simulator's accounting.
             headers.append(("x-request-id", header_safe(lease.request_id)))
-        request = UpstreamRequest(call.method, call.endpoint, headers, json.dumps(body).encode())
+        request = UpstreamRequest(call.method, call.endpoint, headers, call.encode(body))
         try:
             response = await self.send(lease.node, request)
         except BackendError as exc:
