@@ -53,14 +53,21 @@ def test_the_body_sent_is_the_body_meant_whatever_changed(
 
 def test_unchanged_members_go_out_as_the_client_wrote_them() -> None:
     raw = (
-        b'{"model":"m","messages":[{"role":"user","content":"\xc3\xa9t\xc3\xa9 \\u00e9"}],'
-        b'\n"program_id":"p"}'
+        b'{"model":"\xe2\x80\x99m",'
+        b'"messages":[{"role":"user","content":"\xc3\xa9t\xc3\xa9 \\u00e9"}],'
+        b'\n"program_id":"p", "user" :  "\xc3\xbc\xc3\x9f",  "n": [1, "\xf0\x9f\x98\x80"] }'
     )
     parsed = read_body(raw)
     sent = {k: v for k, v in parsed.value.items() if k != "program_id"}
     sent["stream_options"] = {"include_usage": True}
     out = parsed.encode(sent)
-    assert b'[{"role":"user","content":"\xc3\xa9t\xc3\xa9 \\u00e9"}]' in out
+    for member in (
+        b'"\xe2\x80\x99m"',
+        b'[{"role":"user","content":"\xc3\xa9t\xc3\xa9 \\u00e9"}]',
+        b'"\xc3\xbc\xc3\x9f"',
+        b'[1, "\xf0\x9f\x98\x80"]',
+    ):
+        assert b": " + member in out
     assert b"program_id" not in out
     assert json.loads(out) == sent
     # A member that is no longer the object parsed is serialised, even if it looks the same.

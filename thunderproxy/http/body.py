@@ -21,6 +21,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from .proxy import parse_json_object
@@ -33,34 +34,67 @@ _scanstring: Callable[[str, int, bool], tuple[str, int]] = json.decoder.scanstri
 
 @dataclass(frozen=True)
 class Body:
-    """A parsed JSON object, with its text and each top-level member's span in it (None when
-    the bytes cannot be reused)."""
+    """A parsed JSON object and, when its bytes can be reused, the client's bytes, their text
+    and each top-level member's span in that text."""
 
     value: dict[str, Any]
+    raw: bytes = b""
     text: str = ""
-    #: The client's bytes when they are ASCII (offsets in ``text`` are then theirs too).
-    raw: bytes | None = None
     spans: dict[str, tuple[int, int]] | None = None
 
     def encode(self, body: dict[str, Any]) -> bytes:
         """``body`` (this one, or one made from it) as JSON bytes for the backend."""
-        spans = self.spans
-        if spans is None:
+        if self.spans is None:
             return json.dumps(body).encode()
-        parts = []
+        spans = self._byte_spans
+        raw = memoryview(self.raw)
+        # One join, and views of the client's bytes: a history of hundreds of kilobytes is
+        # copied once, into the body sent (each copy is a fresh allocation the kernel zeroes).
+        parts: list[bytes | memoryview] = []
         for key, value in body.items():
             span = spans.get(key)
+            parts.append(b", " if parts else b"{")
+            parts.append(json.dumps(key).encode())
+            parts.append(b": ")
             if span is not None and value is self.value[key]:
-                start, end = span
-                member = (
-                    self.raw[start:end]
-                    if self.raw is not None
-                    else self.text[start:end].encode("utf-8", "surrogatepass")
-                )
+                parts.append(raw[span[0] : span[1]])
             else:
-                member = json.dumps(value).encode()
-            parts.append(json.dumps(key).encode() + b": " + member)
-        return b"{" + b", ".join(parts) + b"}"
+                parts.append(json.dumps(value).encode())
+        parts.append(b"}" if parts else b"{}")
+        return b"".join(parts)
+
+    @cached_property
+    def _byte_spans(self) -> dict[str, tuple[int, int]]:
+        """The members' spans in the raw bytes. ASCII text has the bytes' offsets; otherwise
+        every other part of the text is encoded to measure it, from the front up to the
+        largest member (an agent's history) and from the back down to it, and that member,
+        most of the body, is never encoded again."""
+        assert self.spans is not None
+        text, raw = self.text, self.raw
+        if len(text) == len(raw):
+            return self.spans
+        order = sorted(self.spans.items(), key=lambda item: item[1][0])
+        largest = max(range(len(order)), key=lambda i: order[i][1][1] - order[i][1][0])
+        out: dict[str, tuple[int, int]] = {}
+        char, byte = 0, 0
+        for key, (start, end) in order[:largest]:
+            byte += _utf8_len(text[char:start])
+            out[key] = (byte, byte + _utf8_len(text[start:end]))
+            char, byte = end, out[key][1]
+        first = byte + _utf8_len(text[char : order[largest][1][0]])
+        char, byte = len(text), len(raw)
+        for key, (start, end) in reversed(order[largest + 1 :]):
+            byte -= _utf8_len(text[end:char])
+            out[key] = (byte - _utf8_len(text[start:end]), byte)
+            char, byte = start, out[key][0]
+        last = byte - _utf8_len(text[order[largest][1][1] : char])
+        out[order[largest][0]] = (first, last)
+        return out
+
+
+def _utf8_len(text: str) -> int:
+    """The bytes ``text`` came from (decoded as json.loads decodes, surrogates passed)."""
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def read_body(raw: bytes) -> Body:
@@ -135,4 +169,4 @@ def _scan(raw: bytes) -> Body | None:
     brackets = raw.count(b"[") + raw.count(b"{")
     if brackets > MAX_JSON_DEPTH and deeper_than(value, MAX_JSON_DEPTH):
         return None  # and how deep
-    return Body(value, text, raw if raw.isascii() else None, spans)
+    return Body(value, raw, text, spans)
