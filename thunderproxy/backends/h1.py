@@ -103,13 +103,20 @@ class Connection:
                 if scope.cancelled_caught:
                     raise trio.TooSlowError from None
 
-    async def send_all(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
+    async def send_all(self, *parts: bytes) -> None:
+        """Every byte of ``parts``, in order, gathered by the kernel (a request's head and a
+        body of hundreds of kilobytes are not first copied into one)."""
+        views = [memoryview(part) for part in parts if part]
+        while views:
             try:
-                view = view[self.sock.send(view) :]
+                sent = self.sock.sendmsg(views)
             except BlockingIOError:
                 await trio.lowlevel.wait_writable(self.sock)
+                continue
+            while views and sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            if sent:
+                views[0] = views[0][sent:]
 
     def closed_by_peer(self) -> bool:
         """Whether an idle connection was closed (or written to) by the server meanwhile."""
@@ -375,14 +382,14 @@ class H1Pool:
         return b"".join(lines)
 
     async def send(self, request: UpstreamRequest) -> H1Response:
-        message = self.head(request) + request.content
+        head = self.head(request)
         await self._slots.acquire()
         try:
             while True:
                 stream, reused = await self._connection()
                 try:
                     try:
-                        await stream.send_all(message)
+                        await stream.send_all(head, request.content)
                     except OSError:
                         raise _Dropped(False) from None
                     return await self._read_head(stream, request.method)
