@@ -1,6 +1,6 @@
 """The shortcuts a call's lease and close take decide exactly as the computations they skip:
-sticky placement without the per-backend loads, whether tr holds without the ledger's inputs,
-and the prompt sizer's fit made when an estimate is asked for rather than at every call's end."""
+sticky placement without the per-backend loads, and the prompt sizer's fit made when an
+estimate is asked for rather than at every call's end."""
 
 from __future__ import annotations
 
@@ -76,18 +76,6 @@ async def test_placement_is_the_pure_choice_whatever_the_health(
                     scheduler._choose("p", current, route)
                 continue
             assert scheduler._choose("p", current, route) is expected, (route, current)
-
-
-@pytest.mark.parametrize("mode", ["auto", "always", "never"])
-@pytest.mark.parametrize("ledger_holds", [True, False])
-async def test_whether_tr_holds_is_what_the_views_say(
-    scheduler: Scheduler, mode: str, ledger_holds: bool
-) -> None:
-    scheduler.policy.config = replace(scheduler.policy.config, hold=mode)
-    scheduler.source.config = scheduler.policy.config
-    schedule = scheduler.schedule_of(B0)
-    schedule.hold = replace(HoldLedger(), holding=ledger_holds)
-    assert scheduler._holding(B0) is scheduler.source.holding(schedule)[0]
 
 
 async def test_a_lease_records_whether_tr_held_there(scheduler: Scheduler) -> None:

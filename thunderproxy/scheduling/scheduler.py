@@ -213,7 +213,7 @@ class Scheduler:
         # History back after the horizon is recomputed, held or not: holding keeps none of it.
         reuse = program.total_tokens if program.step_count and returned else 0
         busy = node.in_flight + self._held_on(node.url)
-        holding = self._holding(node.url)
+        holding = self.source.holding(self.schedule_of(node.url))[0]
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
         node.in_flight += 1
         step = program.step_count
@@ -304,12 +304,6 @@ class Scheduler:
         self.registry.pause(program, now, reason=f"{verb}: {decision.rule}")
         self.registry.set_waiting(program, program.waiting_since or arrived_at)
         return False
-
-    def _holding(self, url: str) -> bool:
-        """Whether tr holds programs back on ``url`` now (``ViewSource.holding`` without the
-        ledger's inputs, which only the decision log reads)."""
-        mode = self.config.hold
-        return self.schedule_of(url).hold.holding if mode == "auto" else mode == "always"
 
     def _held_on(self, url: str) -> int:
         """Calls held back for a backend now: without holding they would be in flight there."""
