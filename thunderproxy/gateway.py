@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,6 +31,7 @@ import trio
 from .audit import AuditLog, StepRecord
 from .audit.records import RejectionRecord
 from .backends import BackendNode, BackendPool, UpstreamRequest, UpstreamResponse, header
+from .backends.h1 import H1Response
 from .backends.pool import Route
 from .errors import (
     BackendError,
@@ -127,6 +128,10 @@ class AdmitAll:
         return None
 
 
+def _dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
 @dataclass(frozen=True)
 class Call:
     """One LLM call, protocol-neutral: what to send, for which program, since when."""
@@ -147,6 +152,9 @@ class Call:
     #: How the program was recognised (programs/recognition.py's Source), recorded when this
     #: call creates its program.
     source: str | None = None
+    #: The body (this one, or it with another model) as the bytes sent; an edge that kept the
+    #: client's bytes sends them again for what did not change (http/body.py).
+    encode: Callable[[dict[str, Any]], bytes] = field(default=_dumps, repr=False)
 
 
 @dataclass
@@ -188,23 +196,37 @@ class Exchange:
         """The answer's body as it arrives, usage read on the way. A backend that fails
         mid-way ends the stream with the wire's error event (the 200 is already out)."""
         tap = self.call.wire.tap(self.call)
-        chunks = self.response.aiter_raw()
+        read_timeout = self.gateway.read_timeout
+        # The relay's own client keeps the read deadline where it waits, and only when it
+        # must wait; any other answer is read under a cancel scope per chunk, which costs as
+        # much as the rest of a chunk's relay when the chunk was already there.
+        timed = isinstance(self.response, H1Response)
+        chunks = (
+            self.response.aiter_raw(read_timeout)
+            if isinstance(self.response, H1Response)
+            else self.response.aiter_raw()
+        )
         first_byte_at: float | None = None
         #: The last bytes relayed: an error event must not be glued to a half-sent event.
         relayed_tail = b""
-        read_timeout = self.gateway.read_timeout
         try:
             while True:
                 error: BackendError | None = None
                 try:
-                    # A bare scope, not fail_after: this runs once per chunk, and fail_after's
-                    # context-manager layers cost as much as the scope itself.
-                    with trio.CancelScope(deadline=trio.current_time() + read_timeout) as scope:
+                    if timed:
                         chunk = await chunks.__anext__()
-                    if scope.cancelled_caught:
-                        error = self.gateway.timeout(self.node)
+                    else:
+                        # A bare scope, not fail_after: fail_after's context-manager layers
+                        # cost as much as the scope itself.
+                        deadline = trio.current_time() + read_timeout
+                        with trio.CancelScope(deadline=deadline) as scope:
+                            chunk = await chunks.__anext__()
+                        if scope.cancelled_caught:
+                            error = self.gateway.timeout(self.node)
                 except StopAsyncIteration:
                     break
+                except trio.TooSlowError:
+                    error = self.gateway.timeout(self.node)
                 except BackendError as exc:
                     error = exc
                 if error is not None:
@@ -372,7 +394,7 @@ class Gateway:
         if not any(name.lower() == "x-request-id" for name, _ in headers):
             # <program>-<step> names the call in vLLM's logs and the simulator's accounting.
             headers.append(("x-request-id", header_safe(lease.request_id)))
-        request = UpstreamRequest(call.method, call.endpoint, headers, json.dumps(body).encode())
+        request = UpstreamRequest(call.method, call.endpoint, headers, call.encode(body))
         try:
             response = await self.send(lease.node, request)
         except BackendError as exc:
@@ -389,15 +411,17 @@ class Gateway:
         the outcome reported to the node's health: the one way anything reaches a backend for
         a client (calls here, and the passthrough)."""
         try:
-            with trio.fail_after(self.first_byte_timeout):
+            # A bare scope, as in ``Exchange.stream``: fail_after's context-manager layers cost
+            # as much as the scope itself, on every call.
+            with trio.CancelScope(deadline=trio.current_time() + self.first_byte_timeout) as scope:
                 response = await node.backend.send(request)
-        except trio.TooSlowError:
-            error = self.timeout(node)
-            node.health.failed(error)
-            raise error from None
         except BackendError as exc:
             node.health.failed(exc)
             raise
+        if scope.cancelled_caught:
+            error = self.timeout(node)
+            node.health.failed(error)
+            raise error
         node.health.answered(response.status_code)
         return response
 

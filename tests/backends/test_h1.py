@@ -143,3 +143,66 @@ async def test_refused_and_malformed_answers_are_backend_errors() -> None:
     refused = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
     with pytest.raises(BackendUnavailable, match="refused"):
         await refused.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))
+
+
+async def test_each_piece_must_come_within_the_read_timeout_of_being_asked_for() -> None:
+    # Pieces 0.15 s apart under a 0.3 s read timeout: 0.6 s in all, never a timeout, since the
+    # deadline runs from each piece asked for, not from the answer's start. Then a stall.
+    stalled = trio.Event()
+
+    async def backend(stream: trio.SocketStream) -> None:
+        await read_request(stream)
+        await stream.send_all(ANSWER + b"2\r\nok\r\n2\r\nok\r\n")  # two pieces already there
+        for _ in range(4):
+            await trio.sleep(0.15)
+            await stream.send_all(b"2\r\nok\r\n")
+        await stalled.wait()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, backend, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        pool = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
+        with trio.fail_after(10):
+            response = await pool.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))
+            received = b""
+            async with aclosing(response.aiter_raw(0.3)) as chunks:
+                while len(received) < 12:
+                    received += await chunks.__anext__()
+                asked_at = trio.current_time()
+                with pytest.raises(trio.TooSlowError):
+                    await chunks.__anext__()
+                # The stall was cut at the deadline of the last piece asked for.
+                assert 0.3 <= trio.current_time() - asked_at < 1.0
+            assert received == b"ok" * 6
+            await response.aclose()
+            stalled.set()
+        pool.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_large_body_reaches_the_backend_whole_after_its_head() -> None:
+    # Several megabytes: the kernel takes the head and the body in many partial writes.
+    content = bytes(range(256)) * 16_384
+    received: list[bytes] = []
+
+    async def backend(stream: trio.SocketStream) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive_some(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        await trio.sleep(0.05)  # the client's writes fill the socket's buffers meanwhile
+        while len(body) < len(content):
+            body += await stream.receive_some(1 << 20)
+        received.append(body)
+        await stream.send_all(ANSWER + b"2\r\nok\r\n0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, backend, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        pool = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
+        with trio.fail_after(10):
+            response = await pool.send(UpstreamRequest("POST", "/v1/x", [], content))
+            assert await response.aread() == b"ok"
+        assert received == [content]
+        pool.close()
+        nursery.cancel_scope.cancel()

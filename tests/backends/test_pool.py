@@ -6,6 +6,7 @@ import pytest
 
 from thunderproxy.backends import BackendPool
 from thunderproxy.backends.base import UpstreamRequest
+from thunderproxy.backends.pool import MAX_CACHED_ROUTES
 from thunderproxy.errors import ModelNotFound
 
 
@@ -62,3 +63,35 @@ def test_served_models_are_the_union_over_healthy_nodes_and_their_aliases() -> N
     p = pool()
     p.get("http://a").health.down("test")  # type: ignore[union-attr]
     assert p.served_models() == ["llama-8b", "qwen-8b", "coder"]
+
+
+def test_a_model_resolved_before_follows_the_nodes_and_what_they_serve() -> None:
+    # Each call resolves its model; what was resolved before must not outlive a change.
+    p = pool()
+    assert p.route("llama-8b").urls == {"http://b", "http://c"}
+    node = p.get("http://c")
+    assert node is not None
+    node.models = frozenset({"qwen-8b"})  # as the poller replaces them
+    assert p.route("llama-8b").urls == {"http://b"}
+    assert p.route("qwen-8b").urls == {"http://b", "http://c"}
+    p.attach("http://d", Unused(), models=["llama-8b"])
+    assert p.route("llama-8b").urls == {"http://b", "http://d"}
+    replaced = p.attach("http://d", Unused(), models=["llama-8b"])  # the same name, a new node
+    assert replaced in p.route("llama-8b").nodes
+    node.models = frozenset()
+    with pytest.raises(ModelNotFound):
+        p.route("nothing-serves-this")
+    # An alias's choice still follows health on every call.
+    assert p.route("coder").served == "qwen-32b"
+    p.get("http://a").health.down("test")  # type: ignore[union-attr]
+    assert p.route("coder").served == "qwen-8b"
+    p.get("http://a").health.ok()  # type: ignore[union-attr]
+    assert p.route("coder").served == "qwen-32b"
+
+
+def test_names_made_up_by_clients_do_not_grow_the_resolved_set_without_bound() -> None:
+    p = BackendPool()
+    p.attach("http://x", Unused())  # serves any name until its models are known
+    for i in range(3 * MAX_CACHED_ROUTES):
+        assert p.route(f"model-{i}").served == f"model-{i}"
+    assert len(p._groups) <= MAX_CACHED_ROUTES

@@ -87,20 +87,36 @@ class Connection:
                 raise
         raise error
 
-    async def receive(self, size: int) -> bytes:
+    async def receive(self, size: int, deadline: float | None = None) -> bytes:
+        """Up to ``size`` bytes, at once if some are waiting; else the wait for them, which
+        raises trio.TooSlowError at ``deadline`` (only a wait needs a cancel scope: the relay
+        reads a stream that fell behind without one)."""
         while True:
             try:
                 return self.sock.recv(size)
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self.sock)
+                if deadline is None:
+                    await trio.lowlevel.wait_readable(self.sock)
+                    continue
+                with trio.CancelScope(deadline=deadline) as scope:
+                    await trio.lowlevel.wait_readable(self.sock)
+                if scope.cancelled_caught:
+                    raise trio.TooSlowError from None
 
-    async def send_all(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
+    async def send_all(self, *parts: bytes) -> None:
+        """Every byte of ``parts``, in order, gathered by the kernel (a request's head and a
+        body of hundreds of kilobytes are not first copied into one)."""
+        views = [memoryview(part) for part in parts if part]
+        while views:
             try:
-                view = view[self.sock.send(view) :]
+                sent = self.sock.sendmsg(views)
             except BlockingIOError:
                 await trio.lowlevel.wait_writable(self.sock)
+                continue
+            while views and sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            if sent:
+                views[0] = views[0][sent:]
 
     def closed_by_peer(self) -> bool:
         """Whether an idle connection was closed (or written to) by the server meanwhile."""
@@ -226,11 +242,14 @@ class H1Response:
     def headers(self) -> Sequence[tuple[str, str]]:
         return self._headers
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """The body as the socket delivers it, de-chunked: one piece per read."""
+    async def aiter_raw(self, read_timeout: float | None = None) -> AsyncIterator[bytes]:
+        """The body as the socket delivers it, de-chunked: one piece per read. With a
+        ``read_timeout``, each piece must come within that many seconds of being asked for,
+        else trio.TooSlowError (the gateway's read deadline, kept here where the waits are)."""
         data = self._rest
         self._rest = b""
         decoder = self._chunked
+        deadline = None if read_timeout is None else trio.current_time() + read_timeout
         while not self._complete:
             if data:
                 if decoder is not None:
@@ -254,13 +273,15 @@ class H1Response:
                     self._release()
                 if out:
                     yield out
+                    if read_timeout is not None:
+                        deadline = trio.current_time() + read_timeout
                 if self._complete:
                     return
             stream = self._stream
             if stream is None:
                 raise self._pool.unavailable("the response was closed before its end")
             try:
-                data = await stream.receive(READ_SIZE)
+                data = await stream.receive(READ_SIZE, deadline)
             except (OSError, trio.ClosedResourceError):
                 self._abort()
                 raise self._pool.unavailable("dropped the connection") from None
@@ -361,14 +382,14 @@ class H1Pool:
         return b"".join(lines)
 
     async def send(self, request: UpstreamRequest) -> H1Response:
-        message = self.head(request) + request.content
+        head = self.head(request)
         await self._slots.acquire()
         try:
             while True:
                 stream, reused = await self._connection()
                 try:
                     try:
-                        await stream.send_all(message)
+                        await stream.send_all(head, request.content)
                     except OSError:
                         raise _Dropped(False) from None
                     return await self._read_head(stream, request.method)

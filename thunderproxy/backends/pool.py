@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from operator import is_
 from typing import Any
 
 from ..errors import ModelNotFound, NoBackendAvailable
@@ -20,6 +21,9 @@ from .base import Backend
 from .health import Health
 from .http import HttpBackend
 from .metrics import EngineSnapshot
+
+#: Model names whose groups are kept resolved (``BackendPool.route``).
+MAX_CACHED_ROUTES = 1024
 
 
 @dataclass
@@ -82,6 +86,9 @@ class BackendPool:
         self.aliases: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in (aliases or {}).items()}
         self._connect_timeout = connect_timeout
         self._max_connections = max_connections
+        #: Per public model name: (the nodes, their served models, the groups) when it was last
+        #: resolved. Every call resolves its model; the groups change only with those.
+        self._groups: dict[str, tuple[tuple[BackendNode, ...], tuple[Any, ...], list[Route]]] = {}
 
     def add(self, url: str, *, models: Sequence[str] | None = None) -> BackendNode:
         """Track the HTTP backend at ``url`` (with one shared client)."""
@@ -147,19 +154,31 @@ class BackendPool:
     def route(self, model: str | None) -> Route:
         """The group for ``model``. Raises :class:`ModelNotFound` when no node serves it (nor any
         of an alias's targets), listing what is served."""
+        nodes = tuple(self.nodes.values())
         if model is None:
-            return Route(None, None, tuple(self.nodes.values()))
-        groups = [
-            (served, tuple(n for n in self.nodes.values() if n.serves(served)))
-            for served in self.aliases.get(model, (model,))
-        ]
-        groups = [(served, nodes) for served, nodes in groups if nodes]
-        if not groups:
-            raise ModelNotFound(model, self.served_models(healthy_only=False))
+            return Route(None, None, nodes)
+        # The groups depend only on the nodes themselves and the models each serves (from the
+        # config file, or its polls): resolved again only when either changed.
+        served_by = tuple([n.models for n in nodes])
+        cached = self._groups.get(model)
+        if cached is not None and cached[1] == served_by and all(map(is_, cached[0], nodes)):
+            routes = cached[2]
+        else:
+            routes = [
+                Route(model, served, group)
+                for served in self.aliases.get(model, (model,))
+                if (group := tuple(n for n in nodes if n.serves(served)))
+            ]
+            if not routes:
+                raise ModelNotFound(model, self.served_models(healthy_only=False))
+            if len(self._groups) >= MAX_CACHED_ROUTES:
+                self._groups.clear()  # a node that serves any name: names clients make up
+            self._groups[model] = (nodes, served_by, routes)
+        if len(routes) == 1:
+            return routes[0]
         # An alias's first target with a healthy node; else its first target at all (the call
         # then fails as that group's backends do, naming them).
-        served, nodes = next(((s, ns) for s, ns in groups if any(n.healthy for n in ns)), groups[0])
-        return Route(model, served, nodes)
+        return next((r for r in routes if any(n.healthy for n in r.nodes)), routes[0])
 
 
 @asynccontextmanager

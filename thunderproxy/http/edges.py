@@ -36,6 +36,7 @@ from ..programs.recognition import (
 )
 from ..protocols import Protocol, ProtocolWire
 from ..protocols.anthropic import prepare_count_tokens
+from .body import read_body
 from .proxy import (
     RECORDED_KEY,
     RESPONSE_OWN,
@@ -114,7 +115,8 @@ class Edges:
         """One step of one program from the request's body bytes and header items: checked,
         recognised and handed to the gateway. The exchange's close is added to ``scope``'s
         cleanups (``proxy.add_cleanup``), run however the HTTP exchange ends."""
-        body = parse_json_object(raw)
+        parsed = read_body(raw)
+        body = parsed.value
         headers = identified_headers(items)
         check_identifiers(body)
         if self.recognizer.config.explicit:
@@ -139,6 +141,7 @@ class Edges:
             context_chars=prepared.prompt_chars,
             hide_usage=prepared.hide_usage,
             source=recognised.source.value,
+            encode=parsed.encode,
         )
         scope[RECORDED_KEY] = True
         exchange = await self.gateway.open(call)

@@ -86,11 +86,30 @@ def load_json(raw: bytes | str) -> Any:
             f"Request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; "
             "send a flatter body."
         ) from None
-    # Counting brackets is a cheap bound: a body with few of them cannot be too deep.
+    # Counting brackets is a cheap bound: a body with few of them cannot be too deep. Past it,
+    # the depth is measured level by level first; the walk that names where (building a path
+    # for every node: most of the parse's cost on an agent's long history) runs only to refuse.
     brackets = (raw.count(b"[") + raw.count(b"{")) if isinstance(raw, bytes) else None
-    if seen_non_finite or brackets is None or brackets > MAX_JSON_DEPTH:
+    if seen_non_finite or (
+        (brackets is None or brackets > MAX_JSON_DEPTH) and deeper_than(value, MAX_JSON_DEPTH)
+    ):
         _walk(value)
     return value
+
+
+def deeper_than(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels deep (the top level is 1)."""
+    level = [value] if isinstance(value, dict | list) else []
+    depth = 1
+    while level:
+        if depth > limit:
+            return True
+        children: list[Any] = []
+        for node in level:
+            children.extend(node.values() if isinstance(node, dict) else node)
+        level = [child for child in children if isinstance(child, dict | list)]
+        depth += 1
+    return False
 
 
 def check_identifier(value: str, field: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 #: Until a model's calls have been measured, prompts are sized at this many chars per token.
 DEFAULT_CHARS_PER_TOKEN = 4.0
@@ -40,21 +41,34 @@ def _clamp(value: float, low: float, high: float) -> float:
 
 @dataclass(frozen=True)
 class PromptSizer:
-    """Recent ``(chars, prompt_tokens)`` of one model's calls and the fit they give."""
+    """Recent ``(chars, prompt_tokens)`` of one model's calls and the fit they give.
+
+    Every call's end is observed, but only a program's first call is sized: the fit is made
+    when an estimate is asked for, once per value, not at each observation (its exact sums
+    cost more than the rest of a call's close)."""
 
     samples: tuple[tuple[int, int], ...] = ()
-    overhead: float = 0.0
-    chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
 
     def observe(self, chars: int, prompt_tokens: int) -> PromptSizer:
         if chars < 0 or prompt_tokens <= 0:
             return self
-        samples = (*self.samples[-(SIZER_SAMPLES - 1) :], (chars, prompt_tokens))
-        overhead, rate = fit(samples)
-        return PromptSizer(samples, overhead, rate)
+        return PromptSizer((*self.samples[-(SIZER_SAMPLES - 1) :], (chars, prompt_tokens)))
+
+    @cached_property
+    def _fit(self) -> tuple[float, float]:
+        return fit(self.samples) if self.samples else (0.0, DEFAULT_CHARS_PER_TOKEN)
+
+    @property
+    def overhead(self) -> float:
+        return self._fit[0]
+
+    @property
+    def chars_per_token(self) -> float:
+        return self._fit[1]
 
     def estimate(self, chars: int) -> int:
-        return int(self.overhead + chars / self.chars_per_token)
+        overhead, rate = self._fit
+        return int(overhead + chars / rate)
 
 
 def fit(samples: tuple[tuple[int, int], ...]) -> tuple[float, float]:
