@@ -43,9 +43,10 @@ reading while a request runs).
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections.abc import Awaitable, Callable
-from functools import partial
 from itertools import chain
 from typing import Any
 from urllib.parse import unquote
@@ -136,29 +137,33 @@ class Front:
         for scope in self.idle:
             scope.cancel()
 
-    async def handle(self, stream: trio.SocketStream) -> None:
+    async def handle(self, sock: socket.socket) -> None:
         """One client connection, for as long as it lasts."""
-        socket = stream.socket
         try:
-            client = parse_socket_addr(socket.family, socket.getpeername())
-            server = parse_socket_addr(socket.family, socket.getsockname())
+            client = parse_socket_addr(sock.family, sock.getpeername())
+            server = parse_socket_addr(sock.family, sock.getsockname())
         except OSError:
-            await stream.aclose()
+            sock.close()
             return  # gone before it was served
-        connection = Connection(self, stream, client, server)
+        connection = Connection(self, sock, client, server)
         replay: bytes | None = None
         try:
             await connection.serve()
         except HandOff as hand_off:
             replay = hand_off.data
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        except OSError:
             pass  # the client went; its exchange, if any, has already seen it
         except Exception:
             # One connection's fault must not stop the server (Hypercorn's would not either).
             log.exception("Error serving a connection on the HTTP front")
+        finally:
+            if replay is None:  # closed however the connection ended, cancellation included
+                trio.lowlevel.notify_closing(sock)
+                sock.close()
         if replay is not None:
             self.handed_off += 1
             state = ConnectionState(self.lifespan_state.copy())
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
             hypercorn = TCPServer(
                 self.wrapped,
                 self.config,
@@ -167,9 +172,6 @@ class Front:
                 Replayed(stream, replay),  # type: ignore[arg-type]
             )
             await hypercorn.run()
-            return
-        with trio.CancelScope(shield=True):
-            await stream.aclose()
 
 
 class Connection:
@@ -178,13 +180,13 @@ class Connection:
     def __init__(
         self,
         front: Front,
-        stream: trio.SocketStream,
+        sock: socket.socket,
         client: tuple[str, int] | None,
         server: tuple[str, int] | None,
     ) -> None:
         self.front = front
         self.config = front.config
-        self.stream = stream
+        self.sock = sock
         self.client = client
         self.server = server
         self.state = front.lifespan_state.copy()
@@ -241,7 +243,7 @@ class Connection:
                         break
                     if event is not h11.NEED_DATA:
                         return None  # the client closed
-                    data = await self.stream.receive_some(MAX_RECV)
+                    data = await self._read()
                     read += data
                     conn.receive_data(data)
             finally:
@@ -346,10 +348,17 @@ class Connection:
         return {"type": "http.disconnect"}
 
     async def _read(self) -> bytes:
-        try:
-            return bytes(await self.stream.receive_some(MAX_RECV))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return b""
+        """What the client sent (b"": it has gone). Bytes already waiting are returned at once,
+        without the trip through trio's scheduler that ``receive_some`` takes after every read
+        (as the upstream client does, backends/h1.py); the wait is trio's, and cancellable."""
+        sock = self.sock
+        while True:
+            try:
+                return sock.recv(MAX_RECV)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+            except OSError:
+                return b""
 
     async def send(self, message: dict[str, Any]) -> None:
         if self.done or self.gone:
@@ -399,9 +408,17 @@ class Connection:
         )
 
     async def _write(self, data: bytes) -> None:
+        """All of ``data``, written straight to the socket; waits (trio's) only while the
+        kernel's buffer is full, which is the backpressure a slow reader puts on the relay."""
+        sock = self.sock
+        view = memoryview(data)
         try:
-            await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            while view:
+                try:
+                    view = view[sock.send(view) :]
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(sock)
+        except OSError:
             self.gone = True
             if self.watching is not None:
                 self.watching.cancel()  # the exchange's watcher reports the disconnect
@@ -410,7 +427,7 @@ class Connection:
 async def serve_front(
     app: ASGIApp,
     config: HypercornConfig,
-    listener: Any,
+    listener: socket.socket,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]],
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
@@ -423,27 +440,44 @@ async def serve_front(
     context = WorkerContext(None)
     front = Front(app, config, context, lifespan_state)
     lifespan = Lifespan(front.wrapped, config, lifespan_state)
-    sock = trio.socket.from_stdlib_socket(listener)
-    binds = [f"http://{repr_socket_addr(sock.family, sock.getsockname())}"]
+    binds = [f"http://{repr_socket_addr(listener.family, listener.getsockname())}"]
     async with trio.open_nursery() as lifespan_nursery:
         await lifespan_nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as accepting:
-                accepting.start_soon(
-                    partial(
-                        trio.serve_listeners,
-                        front.handle,
-                        [trio.SocketListener(sock)],
-                        handler_nursery=connections,
-                    )
-                )
+                accepting.start_soon(_accept, front, listener, connections)
                 task_status.started(binds)
                 await shutdown_trigger()
                 accepting.cancel_scope.cancel()
-            sock.close()  # stop listening
+            trio.lowlevel.notify_closing(listener)
+            listener.close()  # stop listening
             await context.terminated.set()
             front.close_idle()
             connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()
+
+
+#: accept() errors that mean "out of resources for now": wait and accept again, as trio's
+#: ``serve_listeners`` does, rather than stop serving.
+_ACCEPT_LATER = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_ACCEPT_SLEEP_S = 0.1
+
+
+async def _accept(front: Front, listener: socket.socket, connections: trio.Nursery) -> None:
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(listener)
+            continue
+        except OSError as error:
+            if error.errno not in _ACCEPT_LATER:
+                continue  # one connection failed (e.g. reset while queued): the next one
+            log.error("accept failed (%s); accepting again in %s s", error, _ACCEPT_SLEEP_S)
+            await trio.sleep(_ACCEPT_SLEEP_S)
+            continue
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connections.start_soon(front.handle, sock)
