@@ -177,6 +177,26 @@ async def test_pipelined_calls_are_answered_in_order_and_the_rest_goes_to_hyperc
     assert steps == [{"status": 200}, {"status": 200}]
 
 
+async def test_http2_with_prior_knowledge_is_hypercorns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted = Counted(monkeypatch)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty SETTINGS frame
+    async with proxy(tmp_path / "audit.db") as running:
+        stream = await trio.open_tcp_stream(*address(running.url))
+        async with stream:
+            await stream.send_all(preface + settings)
+            with trio.fail_after(20):
+                seen = b""
+                while len(seen) < 9:
+                    seen += await stream.receive_some()
+    # Hypercorn's HTTP/2 answers with its own SETTINGS frame (type 4 on stream 0).
+    assert seen[3] == 4
+    assert seen[5:9] == b"\x00\x00\x00\x00"
+    assert counted.seen == {"hypercorn": 1}
+
+
 async def answers_to(tmp_path: Path, front: str, cases: list[bytes]) -> list[Any]:
     await trio.Path(tmp_path).mkdir()
     seen: list[Any] = []

@@ -129,9 +129,6 @@ class Front:
         self.wrapped = wrap_app(app, config.wsgi_max_body_size, None)  # type: ignore[arg-type]
         #: The cancel scopes of connections waiting for a request head.
         self.idle: set[trio.CancelScope] = set()
-        #: Exchanges served here, and connections handed to Hypercorn (tests count them).
-        self.served = 0
-        self.handed_off = 0
 
     def close_idle(self) -> None:
         for scope in self.idle:
@@ -161,7 +158,6 @@ class Front:
                 trio.lowlevel.notify_closing(sock)
                 sock.close()
         if replay is not None:
-            self.handed_off += 1
             state = ConnectionState(self.lifespan_state.copy())
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
             hypercorn = TCPServer(
@@ -307,7 +303,6 @@ class Connection:
         }
         self.body_done = self.gone = self.started = self.done = self.chunked = False
         self.head = b""
-        self.front.served += 1
         try:
             await self.front.app(scope, self.receive, self.send)
         except Exception:
