@@ -69,7 +69,8 @@ ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
 
 #: Request headers that send a request to Hypercorn whatever its path.
 _HANDED_OFF = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
-_CHUNK_END = b"\r\n"
+#: One write in this many yields to trio's scheduler (see ``Connection._write``).
+YIELD_EVERY = 16
 
 
 class Replayed(trio.abc.HalfCloseableStream):
@@ -190,6 +191,7 @@ class Connection:
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
         self.requests = 0
+        self.writes = 0
         # Per exchange:
         self.body_done = False
         self.gone = False
@@ -413,6 +415,12 @@ class Connection:
                     view = view[sock.send(view) :]
                 except BlockingIOError:
                     await trio.lowlevel.wait_writable(sock)
+            self.writes += 1
+            if self.writes % YIELD_EVERY == 0:
+                # Neither this write nor the upstream read that found bytes waiting yields:
+                # a stream that never waits would otherwise hold the loop (and not see a
+                # cancellation) for as long as its backend keeps up.
+                await trio.lowlevel.checkpoint()
         except OSError:
             self.gone = True
             if self.watching is not None:
