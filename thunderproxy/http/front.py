@@ -69,6 +69,8 @@ ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
 
 #: Request headers that send a request to Hypercorn whatever its path.
 _HANDED_OFF = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+#: Seconds a connection closed with input unread waits for the client to close (``linger``).
+LINGER_S = 2.0
 #: One write in this many yields to trio's scheduler (see ``Connection._write``).
 YIELD_EVERY = 16
 
@@ -156,8 +158,12 @@ class Front:
             log.exception("Error serving a connection on the HTTP front")
         finally:
             if replay is None:  # closed however the connection ended, cancellation included
-                trio.lowlevel.notify_closing(sock)
-                sock.close()
+                try:
+                    if connection.unread():
+                        await connection.linger()
+                finally:
+                    trio.lowlevel.notify_closing(sock)
+                    sock.close()
         if replay is not None:
             state = ConnectionState(self.lifespan_state.copy())
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
@@ -343,6 +349,23 @@ class Connection:
             await trio.sleep_forever()
         self.gone = True  # the answer could not be written: the client has gone
         return {"type": "http.disconnect"}
+
+    def unread(self) -> bool:
+        """Whether the client may have sent bytes that were not read: a refused head, or a body
+        the answer did not wait for (413, 408)."""
+        return not self.gone and self.h11.their_state in (h11.ERROR, h11.SEND_BODY)
+
+    async def linger(self) -> None:
+        """Close our side, then read and drop what the client still sends, for up to
+        ``LINGER_S``: closing a socket with unread bytes resets the connection, and a reset
+        can reach the client before it has read the answer that explains it."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+        with trio.move_on_after(LINGER_S):
+            while await self._read():
+                pass
 
     async def _read(self) -> bytes:
         """What the client sent (b"": it has gone). Bytes already waiting are returned at once,
