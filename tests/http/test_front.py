@@ -6,6 +6,7 @@ answers malformed or oversized input exactly as Hypercorn does (the same proxy r
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ import h11
 import httpx
 import pytest
 import trio
+import trio.testing
 from hypercorn.trio.tcp_server import TCPServer
 
 from tests.conftest import query, running_proxy
@@ -29,6 +31,31 @@ CHAT = b"/v1/chat/completions"
 BODY = json.dumps(
     {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 ).encode()
+
+
+#: The big answer: this many events of ``EVENT_BYTES`` each, far more than the sockets between
+#: the backend and the client can hold (the client's receive buffer is set small; the proxy's
+#: own buffers are the kernel's, up to a few tens of MB).
+EVENTS = 6_000
+EVENT_BYTES = 16 * 1024
+BIG = EVENTS * EVENT_BYTES
+#: What the backend may be ahead of the client: the kernel's socket buffers on the way.
+AHEAD = 48 * 1024 * 1024
+sent_by_backend = [0]
+
+
+async def send_big_answer(stream: trio.SocketStream) -> None:
+    stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    await stream.send_all(head + b"transfer-encoding: chunked\r\n\r\n")
+    token = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+    event = b"data: " + json.dumps(token).encode() + b"\n\n"
+    event = event.replace(b'"x"', b'"' + b"x" * (EVENT_BYTES - len(event) + 1) + b'"')
+    assert len(event) == EVENT_BYTES
+    for _ in range(EVENTS):
+        await stream.send_all(b"%x\r\n%b\r\n" % (len(event), event))
+        sent_by_backend[0] += len(event)
+    await stream.send_all(b"%x\r\n%b\r\n0\r\n\r\n" % (14, b"data: [DONE]\n\n"))
 
 
 async def serve_backend(release: trio.Event, stream: trio.SocketStream) -> None:
@@ -47,6 +74,8 @@ async def serve_backend(release: trio.Event, stream: trio.SocketStream) -> None:
             await stream.send_all(answer[:first])
             await release.wait()
             await stream.send_all(answer[first:])
+        elif request.target == CHAT and b'"big"' in request.body:
+            await send_big_answer(stream)
         elif request.target == CHAT:
             await stream.send_all(burst_answer(4))
         elif request.target == b"/metrics":
@@ -279,6 +308,38 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_exchange(tmp_path: Pa
         assert program.in_flight == 0
         release.set()
     assert query(db, "select status from steps") == [{"status": 499}]
+
+
+async def test_a_client_that_reads_slowly_holds_the_backend_back(tmp_path: Path) -> None:
+    """Backpressure: what the backend could send is bounded by what the client has read plus
+    the sockets' buffers; a proxy that buffered without bound would take the whole answer."""
+    sent_by_backend[0] = 0
+    body = json.loads(BODY)
+    body["messages"][0]["content"] = "big"
+    async with proxy(tmp_path / "audit.db") as running:
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        await sock.connect(address(running.url))
+        stream = trio.SocketStream(sock)
+        async with stream:
+            await stream.send_all(post(CHAT, json.dumps(body).encode()))
+            received = 0
+            done = False
+            with trio.fail_after(60):
+                while not done:
+                    # Everything in this process (backend, proxy) waits: the client reads
+                    # nothing meanwhile, so the backend is as far ahead as it can get.
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                    ahead = sent_by_backend[0] - received
+                    assert ahead < AHEAD, f"backend {ahead} bytes ahead of the client"
+                    for _ in range(64):  # then read some: a few MB
+                        data = await stream.receive_some(64 * 1024)
+                        received += len(data)
+                        if done := data.endswith(b"0\r\n\r\n"):
+                            break
+        assert received > BIG
+        assert sent_by_backend[0] == BIG
+    assert query(tmp_path / "audit.db", "select status from steps") == [{"status": 200}]
 
 
 async def test_the_stop_closes_idle_connections_and_lets_a_stream_finish(tmp_path: Path) -> None:
