@@ -11,7 +11,7 @@ Hypercorn, in this process, for the rest of its life.
 
 What it serves itself: ``POST`` to one of ``FAST_ROUTES`` (no ``root_path``, as
 ``FastRoutes.route`` asks), HTTP/1.1, a ``Content-Length`` body, no ``Transfer-Encoding``,
-``Expect`` or ``Upgrade``, and a ``Host`` Hypercorn would accept (``server_names``). Those run
+``Expect`` or ``Upgrade``, and no ``server_names`` in Hypercorn's config to check. Those run
 through the very ASGI callable Hypercorn is given (the app, Datasette's mount, worker mode's
 middleware), with the scope Hypercorn would build, ``http.request`` events as the body arrives
 and ``http.disconnect`` when the client goes. The answer is written as each ``send`` comes: the
@@ -33,12 +33,18 @@ server to stop in step. With ``--certfile`` the front is not used: TLS is Hyperc
 The limits stay where they were: ``--client-timeout`` bounds the wait for a request head (the
 connection is closed silently, as Hypercorn closes an idle one) and, in the fast path, for its
 body (408); ``--max-header-bytes`` is h11's limit (431) and the fast path's own count;
-``--max-body-bytes`` the fast path's (413). A slow reader holds the exchange in ``send_all``,
+``--max-body-bytes`` the fast path's (413). A slow reader holds the exchange in its write,
 so nothing is buffered past the kernel's socket buffer; a client that leaves is seen by the
 fast path's watcher (``receive`` returns ``http.disconnect``), which cancels the exchange: the
 gateway records 499 and closes the lease. While watching, bytes of a pipelined next request are
 kept for it (up to ``--max-header-bytes``; past that the watch stops, as Hypercorn stops
-reading while a request runs).
+reading while a request runs). A connection closed with input unread (a refused head, a 413 or
+408 before the body) first shuts its sending side and drops what still comes, for up to
+``LINGER_S``: closed at once, the kernel would reset it, and the reset can overtake the answer.
+
+The sockets are read and written directly, as the upstream client does (``backends/h1.py``):
+bytes already waiting cost no trip through trio's scheduler; waits are trio's
+``wait_readable``/``wait_writable``, so cancellation and backpressure work as everywhere else.
 """
 
 from __future__ import annotations
