@@ -498,6 +498,13 @@ class Settings:
         "(docs/DEPLOY.md).",
         check=_workers,
     )
+    http_front: str = setting(
+        "fast",
+        "Who reads the clients' connections: 'fast' serves the streamed LLM routes on trio's "
+        "sockets and hands every other request to Hypercorn (docs/ARCHITECTURE.md); "
+        "'hypercorn' serves everything through Hypercorn. With --certfile, Hypercorn.",
+        choices=("fast", "hypercorn"),
+    )
     certfile: str = setting(
         "", "TLS certificate (PEM) to serve HTTPS with; needs --keyfile. Empty: plain HTTP."
     )

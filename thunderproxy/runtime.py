@@ -44,6 +44,7 @@ from .explore import mount_datasette
 from .gateway import Gateway
 from .http.app import Services, create_app
 from .http.drain import drain_then_stop
+from .http.front import serve_front
 from .http.readiness import Readiness
 from .jobs import open_council, serve_council
 from .jobs.gateway_client import GatewayChatClient
@@ -372,7 +373,10 @@ async def run(
             async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 app = create_app(services)
                 app.register_blueprint(council.blueprint)
-                config = hypercorn_config(settings, listener)
+                # The front serves the LLM routes itself and Hypercorn the rest (http/front.py);
+                # TLS is Hypercorn's alone.
+                front = settings.http_front == "fast" and not settings.certfile
+                config = hypercorn_config(settings, None if front else listener)
 
                 async def stopping() -> None:
                     await shutdown.wait()
@@ -381,12 +385,22 @@ async def run(
                     await drain_then_stop(shutdown, app.drain, config, settings.shutdown_grace)
 
                 async with mount_datasette(app, settings) as served:
-                    await serve(
-                        served if worker is None else WorkerMiddleware(served, worker),  # type: ignore[arg-type]
-                        config,
-                        shutdown_trigger=stopping,  # type: ignore[arg-type]
-                        task_status=task_status,
-                    )
+                    outer = served if worker is None else WorkerMiddleware(served, worker)
+                    if front:
+                        await serve_front(
+                            outer,  # type: ignore[arg-type]
+                            config,
+                            listener,
+                            shutdown_trigger=stopping,
+                            task_status=task_status,
+                        )
+                    else:
+                        await serve(
+                            outer,  # type: ignore[arg-type]
+                            config,
+                            shutdown_trigger=stopping,  # type: ignore[arg-type]
+                            task_status=task_status,
+                        )
                 # Requests are drained: stop the pollers, then let the writer flush.
                 background.cancel()
                 await audit.aclose()

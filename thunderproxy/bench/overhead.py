@@ -48,8 +48,11 @@ CHAT = "/v1/chat/completions"
 #: gateway (``relay_floor.py``); ``floor-trio`` the same relay on bare trio sockets, without
 #: Hypercorn, which tells the ASGI server's share of that floor.
 ROUTERS = ("default", "tr")
+#: The routers with Hypercorn reading every connection (``--http-front hypercorn``), to measure
+#: the HTTP front (http/front.py) against in the same run.
+ON_HYPERCORN = ("default-hypercorn", "tr-hypercorn")
 RELAYS = ("floor", "floor-trio", "fastapi", "litellm")
-TARGETS = (*ROUTERS, *RELAYS)
+TARGETS = (*ROUTERS, *ON_HYPERCORN, *RELAYS)
 #: How to install what a relay needs, when it is missing.
 INSTALL = "pip install 'thunderproxy[bench]'"
 UVICORN_LISTENING = re.compile(rb"Uvicorn running on (http://\S+)")
@@ -311,7 +314,7 @@ async def run_overhead(config: OverheadConfig) -> list[Cell]:
                             cells.append(Cell(target, concurrency, skipped=reason))
                             continue
                         profile = None
-                        if config.profile_dir is not None and target in ROUTERS:
+                        if config.profile_dir is not None and target not in RELAYS:
                             profile = str(Path(config.profile_dir) / f"{target}-{concurrency}.prof")
                         proxy = await start_target(
                             nursery, target, backend.url, Path(scratch), concurrency, profile
@@ -347,12 +350,14 @@ async def start_target(
 ) -> Child:
     """A fresh process of ``target`` in front of ``backend`` (a router's run under cProfile
     when ``profile`` names its dump)."""
-    if target in ROUTERS:
+    if target not in RELAYS:
+        router, _, front = target.partition("-")
         settings = load_settings(
             host="127.0.0.1",
             port=0,
             backends=backend,
-            router=target,
+            router=router,
+            http_front=front or "fast",
             db=str(scratch / f"{target}-{concurrency}.db"),
             restore=False,
         )

@@ -36,8 +36,11 @@ Key = tuple[str, str]
 #: another phase counts. A function absent from a dump (a path that no longer exists) counts 0.
 PHASES: tuple[tuple[str, tuple[Key, ...], tuple[Key, ...]], ...] = (
     (
-        "server: read and parse the request, ASGI scope, app task (Hypercorn, h11)",
-        (("hypercorn/trio/tcp_server.py", "_read_data"),),
+        "server: read and parse the request, ASGI scope, app task (Hypercorn or the front, h11)",
+        (
+            ("hypercorn/trio/tcp_server.py", "_read_data"),
+            ("thunderproxy/http/front.py", "_next_request"),
+        ),
         (),
     ),
     (
@@ -80,8 +83,11 @@ PHASES: tuple[tuple[str, tuple[Key, ...], tuple[Key, ...]], ...] = (
         (("thunderproxy/gateway.py", "_close"),),
     ),
     (
-        "downstream: every send to the client (Hypercorn, h11, socket)",
-        (("hypercorn/protocol/http_stream.py", "app_send"),),
+        "downstream: every send to the client (Hypercorn or the front, h11, socket)",
+        (
+            ("hypercorn/protocol/http_stream.py", "app_send"),
+            ("thunderproxy/http/front.py", "send"),
+        ),
         (),
     ),
     (
@@ -99,9 +105,11 @@ PHASES: tuple[tuple[str, tuple[Key, ...], tuple[Key, ...]], ...] = (
 )
 
 #: The tasks an exchange runs in: the one Hypercorn spawns for the request, quart-trio's two
-#: (its handler and its receiver) or the fast path's disconnect watcher.
+#: (its handler and its receiver) or the fast path's disconnect watcher; on the HTTP front, the
+#: exchange runs in the connection's own task.
 APP_TASKS: tuple[Key, ...] = (
     ("hypercorn/trio/task_group.py", "_handle"),
+    ("thunderproxy/http/front.py", "_exchange"),
     ("quart_trio/asgi.py", "handle_request"),
     ("quart_trio/asgi.py", "handle_messages"),
     ("thunderproxy/http/fastpath.py", "_cancel_on_disconnect"),
