@@ -376,3 +376,37 @@ async def test_the_stop_closes_idle_connections_and_lets_a_stream_finish(tmp_pat
         assert time.monotonic() - started < 10
     assert streamed.endswith(b"0\r\n\r\n")
     assert query(db, "select status from steps") == [{"status": 200}, {"status": 200}]
+
+
+async def test_an_app_that_starts_an_answer_and_returns_still_sends_its_head() -> None:
+    """An app that ends without its body, or raises before answering: the client gets the
+    head (then the close), or a 500, never a silent close."""
+    from hypercorn.config import Config
+
+    from thunderproxy.http.front import serve_front
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await receive()
+        if scope["path"] == "/v1/completions":
+            raise RuntimeError("the app failed before answering")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    sock.setblocking(False)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_front, app, Config(), sock, shutdown_trigger=stop.wait))
+        started = await exchange_raw(url, post(CHAT, BODY))
+        assert started.startswith(b"HTTP/1.1 200 ")
+        assert b"transfer-encoding: chunked" in started.lower()
+        failed = await exchange_raw(url, post(b"/v1/completions", BODY))
+        assert responses(failed, 1)[0][0] == 500
+        stop.set()

@@ -324,6 +324,10 @@ class Connection:
             await self.config.log.exception("Error in ASGI Framework")
         if not self.started and not self.gone:
             await self._refuse(500)
+        elif self.head and not self.done and not self.gone:
+            # The app started an answer and returned without a body: its head still goes
+            # out, and the connection then closes on the unfinished answer.
+            await self._write(self.head)
 
     async def receive(self) -> dict[str, Any]:
         """The body as h11 reads it, then the client's disconnect."""
@@ -506,6 +510,7 @@ async def _accept(front: Front, listener: socket.socket, connections: trio.Nurse
             continue
         except OSError as error:
             if error.errno not in _ACCEPT_LATER:
+                await trio.lowlevel.checkpoint()
                 continue  # one connection failed (e.g. reset while queued): the next one
             log.error("accept failed (%s); accepting again in %s s", error, _ACCEPT_SLEEP_S)
             await trio.sleep(_ACCEPT_SLEEP_S)
@@ -513,3 +518,6 @@ async def _accept(front: Front, listener: socket.socket, connections: trio.Nurse
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         connections.start_soon(front.handle, sock)
+        # accept() that finds a connection waiting does not yield: a flood of connections
+        # (or an error that repeats) would otherwise hold the loop and its cancellation.
+        await trio.lowlevel.checkpoint()
