@@ -281,8 +281,10 @@ async def test_another_route_and_a_websocket_after_a_call_on_one_connection(
         raw = await exchange_raw(running.url, post(CHAT, BODY) + upgrade)
     call, websocket = responses(raw, 2)
     assert call[0] == 200
-    # The app serves no websocket: Hypercorn ran the handshake and answered the app's refusal.
-    assert websocket[0] >= 400, websocket
+    # The app serves no websocket (the passthrough's catch-all route is HTTP only): Hypercorn
+    # ran the handshake and answered the app's refusal, in the errors table's shape.
+    assert websocket[0] == 400, websocket
+    assert json.loads(websocket[2])["error"]["type"] == "invalid_request_error"
     assert counted.seen == {"front": 2, "hypercorn": 2}
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
-from quart import Response, jsonify, request
+from quart import Response, has_request_context, jsonify, request, websocket
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
@@ -209,8 +209,13 @@ def create_app(services: Services) -> ThunderproxyApp:
             )
         )
 
+    def asked() -> Any:
+        # The request or websocket being refused: no route serves websockets, and Quart's 404
+        # for one comes to these handlers outside any request context.
+        return request if has_request_context() else websocket
+
     def reject(status: int, error_type: str, message: str, program_id: str | None) -> None:
-        record_rejection(status, error_type, message, program_id, request.method, request.path)
+        record_rejection(status, error_type, message, program_id, asked().method, asked().path)
 
     app.fast = FastRoutes(
         edges=edges,
@@ -224,10 +229,10 @@ def create_app(services: Services) -> ThunderproxyApp:
 
     @app.errorhandler(ThunderproxyError)
     async def handle_error(error: ThunderproxyError) -> Response:
-        if not request.scope.get(RECORDED_KEY):  # the gateway recorded the calls it was given
+        if not asked().scope.get(RECORDED_KEY):  # the gateway recorded the calls it was given
             status, error_type = describe(error)
             reject(status, error_type, error.message, error.program_id)
-        return error_response(error, error_shape(request.path))
+        return error_response(error, error_shape(asked().path))
 
     @app.errorhandler(HTTPException)
     async def handle_http_error(error: HTTPException) -> Response:
@@ -236,7 +241,7 @@ def create_app(services: Services) -> ThunderproxyApp:
         ours: ThunderproxyError | None = {
             413: payload_too_large(settings.max_body_bytes),
             408: body_too_slow(settings.client_timeout),
-            405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}."),
+            405: MethodNotAllowed(f"{asked().method} is not allowed on {asked().path}."),
         }.get(status)
         if ours is None:
             text = error.description or error.name
