@@ -33,6 +33,17 @@ def test_a_program_that_waited_before_goes_first_among_equal_waits() -> None:
     assert [(d.action, d.program_id) for d in decisions] == [(Action.RESUME, "fresh")]
 
 
+def test_earlier_waits_count_up_to_half_the_bound() -> None:
+    # CFG's bound is 100 s: a long program's thousands of seconds of earlier waits count 50 s,
+    # so a call near its bound is not passed by it.
+    long_run = prog("long", P, 4_000, waiting_since=50.0, paused_since=50.0, waited_total_s=3e3)
+    near = prog("near", P, 4_000, waiting_since=0.0, paused_since=0.0)
+    assert policy.credit(long_run, CFG) == 50.0
+    assert policy.priority(long_run, CFG, 90.0) == 40.0 + 50.0
+    decisions = policy.resume([backend()], [prog("r", R, 5_000), long_run, near], CFG, now=90.0)
+    assert [(d.action, d.program_id) for d in decisions] == [(Action.RESUME, "near")]
+
+
 def test_room_is_made_first_for_the_program_that_waited_most_in_all() -> None:
     head = prog("head", P, 3_000, waiting_since=0.0, paused_since=0.0, steps=3)
     stretched = replace(head, program_id="stretched", waiting_since=5.0, waited_total_s=60.0)
