@@ -210,17 +210,6 @@ class Scheduler:
         reuse = program.total_tokens if program.step_count and returned else 0
         busy = node.in_flight + self._held_on(node.url)
         holding = self.source.holding(self.schedule_of(node.url))[0]
-        if not reuse:
-            # Nothing of its own that holding could keep: its cost is its wait, known now, and
-            # the ledger learns it now, not a whole call later when the call ends.
-            schedule = self.schedule_of(node.url)
-            schedule.hold = schedule.hold.observe_call(
-                waited_s=now - arrived_at,
-                in_flight=busy,
-                reuse_tokens=0,
-                missed_tokens=0,
-                holding=holding,
-            )
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
         node.in_flight += 1
         step = program.step_count
@@ -465,7 +454,7 @@ class Scheduler:
             ledger = ledger.observe_prefill(
                 usage.prompt_tokens - (usage.cached_tokens or 0), first_token_at - lease.sent_at
             )
-        if lease.reuse_tokens and usage.cached_tokens is not None:  # the others: when sent
+        if usage.cached_tokens is not None or not lease.reuse_tokens:
             ledger = ledger.observe_call(
                 waited_s=lease.sent_at - lease.arrived_at,
                 in_flight=lease.busy,
