@@ -223,6 +223,7 @@ class Scheduler:
         if self.affinity is not None:
             self.affinity.placed(program_id, node.url)
         now = self._now()
+        self.source.note_wait(program_id, now - arrived_at)
         # History back after the horizon is recomputed, held or not: holding keeps none of it.
         reuse = program.total_tokens if program.step_count and returned else 0
         busy = node.in_flight + self._held_on(node.url)

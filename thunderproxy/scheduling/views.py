@@ -55,6 +55,8 @@ class ViewSource:
         #: whatever the hold ledger says (claims.holds).
         self.shared = shared
         self._schedules: dict[str, BackendSchedule] = {}
+        #: Seconds each program's sent calls waited in the proxy (``note_wait``).
+        self._waited: dict[str, float] = {}
         #: Backends serving each model; cleared by ``refresh`` (after each metrics poll).
         self._eligible: dict[str | None, frozenset[str] | None] = {}
 
@@ -123,6 +125,16 @@ class ViewSource:
             self._eligible[model] = None if urls == frozenset(self.pool.urls) else urls
         return self._eligible[model]
 
+    def note_wait(self, program_id: str, seconds: float) -> None:
+        """A call of ``program_id`` goes out after ``seconds`` in the proxy. What a program has
+        waited in all orders the resumes (policy.priority), so that waits are spread over the
+        programs instead of piling up on the same ones."""
+        if seconds > 0:
+            self._waited[program_id] = self._waited.get(program_id, 0.0) + seconds
+        if len(self._waited) > 2 * len(self.registry) + 64:
+            # Released programs' totals go in one pass now and then, not on every release.
+            self._waited = {k: v for k, v in self._waited.items() if k in self.registry}
+
     def program_view(self, p: Program) -> ProgramView:
         return ProgramView(
             program_id=p.program_id,
@@ -140,6 +152,7 @@ class ViewSource:
             eligible=self.eligible(p.model),
             steps=p.step_count,
             tool_s=p.last_tool_s,
+            waited_total_s=self._waited.get(p.program_id, 0.0),
         )
 
     def views(self, now: float) -> Views:
