@@ -278,8 +278,9 @@ class H1Response:
 
     async def aiter_raw(self, read_timeout: float | None = None) -> AsyncIterator[bytes]:
         """The body as the socket delivers it, de-chunked: one piece per read. With a
-        ``read_timeout``, each piece must come within that many seconds of being asked for,
-        else trio.TooSlowError (the gateway's read deadline, kept here where the waits are)."""
+        ``read_timeout``, each piece must come within that many seconds of the wait for it
+        starting (at once when it is asked for and not there yet), else trio.TooSlowError (the
+        gateway's read deadline, kept here where the waits are)."""
         data = self._rest
         self._rest = b""
         decoder = self._chunked
