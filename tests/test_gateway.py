@@ -234,3 +234,25 @@ async def test_a_client_that_leaves_on_the_end_event_was_served(
     await exchange.aclose()
     (step,) = r.records(StepRecord)
     assert (step.status, step.completion_tokens) == (200, 2)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "separated"),
+    [
+        # The stream stopped mid-event, its last bytes in pieces shorter than a boundary.
+        ([b'data: {"a', b"b", b"c", b"\n"], True),
+        # It stopped at an event's end, the blank line itself split over short pieces.
+        ([b'data: {"a": 1}', b"\n", b"\n"], False),
+        ([b'data: {"a": 1}\r\n', b"\r", b"\n"], False),
+        ([b'data: {"a": 1}\n\n'], False),
+    ],
+)
+async def test_an_error_event_starts_an_event_of_its_own_after_short_pieces(
+    autojump_clock: trio.testing.MockClock, pieces: list[bytes], separated: bool
+) -> None:
+    r = rig(ScriptedBackend(chunks=[EVENTS[0], *pieces, 1000.0]), read_timeout=30.0)
+    async with r.gateway.call(call()) as exchange:
+        chunks = [chunk async for chunk in exchange.stream()]
+    assert b"".join(chunks[:-1]) == EVENTS[0] + b"".join(pieces)
+    assert chunks[-1].startswith(b"\n\ndata: ") is separated
+    assert chunks[-1].startswith(b"data: ") is not separated

@@ -207,20 +207,24 @@ class Exchange:
             else self.response.aiter_raw()
         )
         first_byte_at: float | None = None
-        #: The last bytes relayed: an error event must not be glued to a half-sent event.
-        relayed_tail = b""
+        #: The last piece relayed, and the bytes before it (kept only while that piece is
+        #: shorter than a boundary): an error event must not be glued to a half-sent event.
+        #: The tail is cut from them only when an error needs it, not per chunk.
+        last, before = b"", b""
+        feed = tap.feed
+        following = chunks.__anext__
         try:
             while True:
                 error: BackendError | None = None
                 try:
                     if timed:
-                        chunk = await chunks.__anext__()
+                        chunk = await following()
                     else:
                         # A bare scope, not fail_after: fail_after's context-manager layers
                         # cost as much as the scope itself.
                         deadline = trio.current_time() + read_timeout
                         with trio.CancelScope(deadline=deadline) as scope:
-                            chunk = await chunks.__anext__()
+                            chunk = await following()
                         if scope.cancelled_caught:
                             error = self.gateway.timeout(self.node)
                 except StopAsyncIteration:
@@ -234,16 +238,24 @@ class Exchange:
                         return  # the answer was whole: a connection lost after it is no fault
                     self._take_usage(tap)
                     self.finish(describe(error)[0], error=error.message)
-                    yield _at_boundary(relayed_tail) + self.call.wire.error_event(error)
+                    yield _at_boundary((before + last)[-4:]) + self.call.wire.error_event(error)
                     return
                 if first_byte_at is None:
                     first_byte_at = trio.current_time()
-                out = tap.feed(chunk)
+                out = feed(chunk)
                 # The first token is the first event with generated output: a Responses stream
                 # sends response.created, a Messages stream message_start, before any prefill.
                 if self.first_token_at is None and tap.content_started:
                     self.first_token_at = trio.current_time()
-                if tap.overflowed and not tap.complete:
+                if tap.complete:
+                    if not self.done:
+                        # The answer is whole: a client that hangs up on the end event before
+                        # the connection closes has still been served all of it.
+                        if self.first_token_at is None:
+                            self.first_token_at = first_byte_at
+                        self._take_usage(tap)
+                        self.finish(self.status_code, error=tap.error)
+                elif tap.overflowed:
                     # An event without end, past the bound: the backend is broken, and a relay
                     # that kept buffering it would be too. End the stream cleanly, in-band.
                     fault = BackendProtocolError(
@@ -252,17 +264,11 @@ class Exchange:
                         backend=self.node.url,
                     )
                     self.finish(describe(fault)[0], error=fault.message)
-                    yield _at_boundary(relayed_tail) + self.call.wire.error_event(fault)
+                    yield _at_boundary((before + last)[-4:]) + self.call.wire.error_event(fault)
                     return
-                if tap.complete and not self.done:
-                    # The answer is whole: a client that hangs up on the end event before the
-                    # connection closes has still been served all of it.
-                    if self.first_token_at is None:
-                        self.first_token_at = first_byte_at
-                    self._take_usage(tap)
-                    self.finish(self.status_code, error=tap.error)
                 if out:
-                    relayed_tail = out[-4:] if len(out) >= 4 else (relayed_tail + out)[-4:]
+                    before = (before + last)[-4:] if len(out) < 4 else b""
+                    last = out
                     yield out
         finally:
             # The backend's own iterator is closed here, not left to the garbage collector.

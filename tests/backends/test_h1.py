@@ -8,6 +8,8 @@ from functools import partial
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from thunderproxy.backends.base import UpstreamRequest
 from thunderproxy.backends.h1 import ChunkedDecoder, H1Pool
@@ -34,10 +36,60 @@ def test_chunked_body_byte_by_byte_and_whole() -> None:
     assert whole.extra  # bytes past the end: the connection is not reused
 
 
-@pytest.mark.parametrize("bad", [b"zz\r\nab\r\n", b"+5\r\nhello\r\n", b"2\r\nabXY", b"5" * 5000])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"zz\r\nab\r\n",
+        b"+5\r\nhello\r\n",
+        b"2\r\nabXY",
+        b"5" * 5000,
+        b"5\r\nhelloXY",  # a whole chunk's length in one read, without its CRLF
+        b"\r\nhello\r\n",  # no size at all
+    ],
+)
 def test_malformed_framing_is_refused(bad: bytes) -> None:
     with pytest.raises(ValueError):
         ChunkedDecoder().feed(bad)
+
+
+def frame(payload: bytes, extension: bytes = b"") -> bytes:
+    return b"%x%b\r\n%b\r\n" % (len(payload), extension, payload)
+
+
+def test_one_chunk_per_read_comes_out_as_its_data() -> None:
+    """A stream read between chunks brings one whole chunk: its data, and the decoder is ready
+    for the next chunk, whatever the data holds (CRLFs, hex digits, a size line's look)."""
+    decoder = ChunkedDecoder()
+    payloads = [b"data: {}\n\n", b"\r\n\r\n", b"a\r\n0\r\n\r\n", b"x" * 4097, b"5\r\nhello"]
+    for payload in payloads:
+        assert decoder.feed(frame(payload)) == payload
+        assert not decoder.done
+    assert decoder.feed(b"0\r\n\r\n") == b""
+    assert decoder.done
+    assert not decoder.extra
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    payloads=st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=12),
+    extension=st.sampled_from([b"", b";ext=1", b" "]),
+    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=20),
+    whole=st.booleans(),
+)
+def test_reads_of_whole_chunks_or_any_split_decode_alike(
+    payloads: list[bytes], extension: bytes, cuts: list[int], whole: bool
+) -> None:
+    frames = [frame(p, extension) for p in payloads] + [b"0\r\n\r\n"]
+    body = b"".join(frames)
+    if whole:
+        reads = frames  # one chunk per read, as a stream whose chunks come apart
+    else:
+        points = sorted({min(c, len(body)) for c in cuts} | {0, len(body)})
+        reads = [body[a:b] for a, b in zip(points, points[1:], strict=False)]
+    decoder = ChunkedDecoder()
+    assert b"".join(decoder.feed(r) for r in reads) == b"".join(payloads)
+    assert decoder.done
+    assert not decoder.extra
 
 
 ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n"

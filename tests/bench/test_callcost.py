@@ -12,3 +12,9 @@ async def test_whole_calls_are_measured_with_their_first_chunk(router: str) -> N
     result = await measure(router, programs=2, rounds=2, history=3)
     assert result["body_bytes"] == len(body(0, 3))
     assert 0 < result["cpu_to_first_chunk_us"] < result["cpu_per_call_us"]
+
+
+async def test_per_chunk_mode_relays_through_the_h1_client_and_prices_one_chunk() -> None:
+    result = await measure("default", programs=2, rounds=3, history=0, per_chunk=True, chunks=8)
+    # One more chunk costs something, and far less than a whole call.
+    assert 0 < result["cpu_per_chunk_us"] < result["cpu_per_call_us"] / 4

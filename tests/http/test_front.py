@@ -412,3 +412,52 @@ async def test_an_app_that_starts_an_answer_and_returns_still_sends_its_head() -
         failed = await exchange_raw(url, post(b"/v1/completions", BODY))
         assert responses(failed, 1)[0][0] == 500
         stop.set()
+
+
+async def test_a_body_through_the_writer_is_the_body_through_messages() -> None:
+    """The front offers the relay a body writer (``BODY_WRITER``); what it writes is byte for
+    byte what the same chunks sent as ASGI messages write, the head with the first chunk."""
+    from hypercorn.config import Config
+
+    from thunderproxy.http.fastpath import BODY_WRITER
+    from thunderproxy.http.front import serve_front
+
+    chunks = [b"data: one\n\n", b"", b"data: two\r\n\r\n", b"x" * 70_000]
+    offered: list[bool] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await receive()
+        writer = scope["extensions"].get(BODY_WRITER)
+        offered.append(writer is not None)
+        head = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        for chunk in chunks:
+            if scope["path"] == "/v1/completions":
+                await writer(chunk)
+            else:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    sock.setblocking(False)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_front, app, Config(), sock, shutdown_trigger=stop.wait))
+        by_messages = await exchange_raw(url, post(CHAT, BODY))
+        by_writer = await exchange_raw(url, post(b"/v1/completions", BODY))
+        stop.set()
+    assert offered == [True, True]
+
+    def without_date(raw: bytes) -> bytes:
+        return b"\r\n".join(line for line in raw.split(b"\r\n") if not line.startswith(b"date:"))
+
+    assert without_date(by_writer) == without_date(by_messages)
+    assert responses(by_writer, 1)[0][2] == b"".join(chunks)

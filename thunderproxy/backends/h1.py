@@ -103,6 +103,29 @@ class Connection:
                 if scope.cancelled_caught:
                     raise trio.TooSlowError from None
 
+    def receive_ready(self, size: int) -> bytes | None:
+        """Up to ``size`` bytes if some are waiting (b"" at the end of the stream), else None."""
+        try:
+            return self.sock.recv(size)
+        except BlockingIOError:
+            return None
+
+    async def receive_after_wait(self, size: int, deadline: float | None) -> bytes:
+        """``receive`` for a caller that just found nothing waiting: the wait comes first,
+        without a second read that would find nothing again."""
+        while True:
+            if deadline is None:
+                await trio.lowlevel.wait_readable(self.sock)
+            else:
+                with trio.CancelScope(deadline=deadline) as scope:
+                    await trio.lowlevel.wait_readable(self.sock)
+                if scope.cancelled_caught:
+                    raise trio.TooSlowError
+            try:
+                return self.sock.recv(size)
+            except BlockingIOError:
+                continue  # woken without bytes: wait again
+
     async def send_all(self, *parts: bytes) -> None:
         """Every byte of ``parts``, in order, gathered by the kernel (a request's head and a
         body of hundreds of kilobytes are not first copied into one)."""
@@ -156,12 +179,23 @@ class ChunkedDecoder:
 
     def feed(self, data: bytes) -> bytes:
         buffer = self._buffer
-        if self._state == self._DATA and not buffer and len(data) <= self._left:
-            # The common case of a stream read mid-chunk: no copy at all.
-            self._left -= len(data)
-            if not self._left:
-                self._state = self._DATA_END
-            return data
+        if not buffer:
+            if self._state == self._SIZE:
+                # The common case of a stream read between chunks: one read, one whole chunk
+                # (a bare hex size, its data, CRLF): its data is sliced out, nothing copied
+                # into the buffer. Anything else (several chunks, extensions, a split) goes on.
+                end = data.find(b"\r\n", 0, MAX_LINE)
+                if end > 0 and _HEX.fullmatch(data, 0, end):
+                    length = int(data[:end], 16)
+                    stop = end + 2 + length
+                    if length and len(data) == stop + 2 and data.endswith(b"\r\n"):
+                        return data[end + 2 : stop]
+            elif self._state == self._DATA and len(data) <= self._left:
+                # A stream read mid-chunk: no copy at all.
+                self._left -= len(data)
+                if not self._left:
+                    self._state = self._DATA_END
+                return data
         buffer += data
         out: list[bytes] = []
         pos = 0
@@ -244,12 +278,15 @@ class H1Response:
 
     async def aiter_raw(self, read_timeout: float | None = None) -> AsyncIterator[bytes]:
         """The body as the socket delivers it, de-chunked: one piece per read. With a
-        ``read_timeout``, each piece must come within that many seconds of being asked for,
-        else trio.TooSlowError (the gateway's read deadline, kept here where the waits are)."""
+        ``read_timeout``, each piece must come within that many seconds of the wait for it
+        starting (at once when it is asked for and not there yet), else trio.TooSlowError (the
+        gateway's read deadline, kept here where the waits are)."""
         data = self._rest
         self._rest = b""
         decoder = self._chunked
-        deadline = None if read_timeout is None else trio.current_time() + read_timeout
+        # The deadline starts when a piece must be waited for (not when it is asked for:
+        # the clock is read only where the relay waits, not for every piece that was there).
+        deadline: float | None = None
         while not self._complete:
             if data:
                 if decoder is not None:
@@ -273,15 +310,20 @@ class H1Response:
                     self._release()
                 if out:
                     yield out
-                    if read_timeout is not None:
-                        deadline = trio.current_time() + read_timeout
+                    deadline = None
                 if self._complete:
                     return
             stream = self._stream
             if stream is None:
                 raise self._pool.unavailable("the response was closed before its end")
             try:
-                data = await stream.receive(READ_SIZE, deadline)
+                ready = stream.receive_ready(READ_SIZE)
+                if ready is None:
+                    if deadline is None and read_timeout is not None:
+                        deadline = trio.current_time() + read_timeout
+                    data = await stream.receive_after_wait(READ_SIZE, deadline)
+                else:
+                    data = ready
             except (OSError, trio.ClosedResourceError):
                 self._abort()
                 raise self._pool.unavailable("dropped the connection") from None

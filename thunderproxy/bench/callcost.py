@@ -12,6 +12,13 @@ the main thread's CPU per call, and up to the first chunk, as the median of ``--
 
 ``--history N`` sends an agent's body: N messages of about a kilobyte each and 20 tool
 definitions (about 222 KB at 200), instead of one 4 KB message.
+
+``--per-chunk`` measures the relay of one chunk instead: the answer comes through the relay's
+own HTTP/1.1 client (``H1Response``, chunked framing decoded as from a socket, one read per
+chunk, as a stream 20 ms apart arrives) and each round calls every program twice, once with
+``--chunks`` token chunks and once with one; the difference, divided by the chunks between
+them, is what one more chunk costs (the tap, ``Exchange.stream``, the client's read), free of
+everything a call costs once. What the server's write adds is not in it (no socket here).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import json
 import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -28,6 +36,7 @@ import trio
 from ..audit import AuditLog
 from ..audit.records import AuditRecord, TransitionRecord
 from ..backends import EngineSnapshot, UpstreamRequest, open_backend_pool
+from ..backends.h1 import H1Pool, H1Response
 from ..gateway import Gateway
 from ..http.edges import Edges
 from ..http.proxy import run_cleanups
@@ -70,13 +79,54 @@ class _Answer:
         return None
 
 
+class _Reads:
+    """A connection whose reads return one chunked-framed piece each, as a socket delivers a
+    stream whose chunks come apart: what ``H1Response`` reads in place of a socket."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self._pieces = iter(pieces)
+
+    def receive_ready(self, size: int) -> bytes | None:
+        return next(self._pieces, b"")
+
+    async def receive_after_wait(self, size: int, deadline: float | None) -> bytes:
+        raise AssertionError("every piece is ready")
+
+    def close(self) -> None:
+        return None
+
+
 class _Backend:
-    def __init__(self, chunks: int) -> None:
+    def __init__(self, chunks: int, *, framed: bool = False) -> None:
+        self.framed = framed
+        self.pool = H1Pool("http://in-process", connect_timeout=1.0, max_connections=1 << 30)
+        self.tokens = chunks
+
+    @property
+    def tokens(self) -> int:
+        return len(self.chunks) - 2
+
+    @tokens.setter
+    def tokens(self, chunks: int) -> None:
         token, usage, done = chunk_payloads(chunks)
         self.chunks = [token] * chunks + [usage, done]
+        self.pieces = [b"%x\r\n%b\r\n" % (len(c), c) for c in self.chunks] + [b"0\r\n\r\n"]
 
-    async def send(self, request: UpstreamRequest) -> _Answer:
-        return _Answer(self.chunks)
+    async def send(self, request: UpstreamRequest) -> _Answer | H1Response:
+        if not self.framed:
+            return _Answer(self.chunks)
+        await self.pool._slots.acquire()  # as H1Pool.send takes a slot; the release frees it
+        headers = [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")]
+        return H1Response(
+            self.pool,
+            _Reads(self.pieces),  # type: ignore[arg-type]
+            200,
+            headers,
+            b"",
+            reusable=False,
+            length=None,
+            chunked=True,
+        )
 
 
 def body(program: int, history: int) -> bytes:
@@ -109,13 +159,22 @@ def body(program: int, history: int) -> bytes:
     return json.dumps(payload).encode()
 
 
-async def measure(router: str, programs: int, rounds: int, history: int) -> dict[str, float]:
+async def measure(
+    router: str,
+    programs: int,
+    rounds: int,
+    history: int,
+    *,
+    per_chunk: bool = False,
+    chunks: int = 32,
+) -> dict[str, float]:
     send, receive = trio.open_memory_channel[AuditRecord](1_000_000)
     audit = AuditLog(send, run_id=1)
     counters = Counters()
     audit.observers.append(counters.observe)
     async with open_backend_pool() as pool:
-        node = pool.attach("http://in-process", _Backend(32), models=["fast"])
+        backend = _Backend(chunks, framed=per_chunk)
+        node = pool.attach("http://in-process", backend, models=["fast"])
         node.snapshot = EngineSnapshot(
             flavour="vllm",
             engines=1,
@@ -169,12 +228,29 @@ async def measure(router: str, programs: int, rounds: int, history: int) -> dict
         drain()
         first.clear()
         per_call = []
+        chunk_cost = []
         for _ in range(rounds):
+            backend.tokens = chunks
             started = time.thread_time()
             for raw in bodies:
                 await call(raw)
-            per_call.append((time.thread_time() - started) / programs)
+            long = (time.thread_time() - started) / programs
+            per_call.append(long)
             drain()
+            if per_chunk:
+                backend.tokens = 1
+                started = time.thread_time()
+                for raw in bodies:
+                    await call(raw)
+                short = (time.thread_time() - started) / programs
+                chunk_cost.append((long - short) / (chunks - 1))
+                drain()
+    if per_chunk:
+        return {
+            "body_bytes": float(len(bodies[0])),
+            "cpu_per_call_us": 1e6 * statistics.median(per_call),
+            "cpu_per_chunk_us": 1e6 * statistics.median(chunk_cost),
+        }
     return {
         "body_bytes": float(len(bodies[0])),
         "cpu_per_call_us": 1e6 * statistics.median(per_call),
@@ -188,8 +264,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--programs", type=int, default=32, help="programs called in turn")
     parser.add_argument("--rounds", type=int, default=20, help="rounds over every program")
     parser.add_argument("--history", type=int, default=0, help="messages of an agent's body")
+    parser.add_argument(
+        "--per-chunk", action="store_true", help="CPU per relayed chunk, through the H1 client"
+    )
+    parser.add_argument("--chunks", type=int, default=32, help="token chunks of the answer")
     args = parser.parse_args(argv)
-    result = trio.run(measure, args.router, args.programs, args.rounds, args.history)
+    if args.chunks < 2:
+        parser.error("--chunks must be at least 2 (one chunk is the per-call baseline)")
+    result = trio.run(
+        partial(measure, per_chunk=args.per_chunk, chunks=args.chunks),
+        args.router,
+        args.programs,
+        args.rounds,
+        args.history,
+    )
+    if args.per_chunk:
+        print(
+            f"{args.router}, {args.programs} programs, {args.chunks}-chunk answers: "
+            f"{result['cpu_per_chunk_us']:.2f} us of CPU per relayed chunk, "
+            f"{result['cpu_per_call_us']:.0f} us per call (medians of {args.rounds} rounds)"
+        )
+        return
     print(
         f"{args.router}, {args.programs} programs, {result['body_bytes']:.0f}-byte bodies: "
         f"{result['cpu_per_call_us']:.0f} us of CPU per call, "

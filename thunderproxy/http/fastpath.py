@@ -26,7 +26,7 @@ answer alike (tests/http/test_relay_fastpath.py checks that these paths take thi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -58,6 +58,12 @@ FAST_ROUTES: dict[str, Protocol] = {
     "/v1/messages": Protocol.MESSAGES,
     "/v1/responses": Protocol.RESPONSES,
 }
+
+#: An ASGI scope extension a server may offer (the front does, http/front.py): an async callable
+#: that takes one body chunk with more to come, and does what ``send`` does with
+#: ``{"type": "http.response.body", "body": chunk, "more_body": True}``. A relayed chunk then
+#: costs no message to build and take apart; a server without it (Hypercorn) gets the messages.
+BODY_WRITER = "thunderproxy.body_writer"
 
 #: Reports a refusal that the gateway did not record: (status, type, message, program id,
 #: method, path).
@@ -173,7 +179,8 @@ class FastRoutes:
                 fault = ThunderproxyError(InternalServerError.description or "internal error")
                 await self._refuse(scope, send, fault, protocol)
             else:
-                await self._send_reply(send, reply)
+                writer = (scope.get("extensions") or {}).get(BODY_WRITER)
+                await self._send_reply(send, reply, writer)
             nursery.cancel_scope.cancel()
 
     async def _read_body(
@@ -221,7 +228,12 @@ class FastRoutes:
             )
         await self._send_reply(send, Reply(status, list(headers.items()), content))
 
-    async def _send_reply(self, send: ASGISendCallable, reply: Reply) -> None:
+    async def _send_reply(
+        self,
+        send: ASGISendCallable,
+        reply: Reply,
+        write_body: Callable[[bytes], Awaitable[None]] | None = None,
+    ) -> None:
         # As Quart encodes them (UTF-8), so that both paths send the same bytes.
         headers = [(n.lower().encode(), v.encode()) for n, v in reply.headers]
         body = reply.body
@@ -237,8 +249,12 @@ class FastRoutes:
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         if not isinstance(body, bytes):
             async with aclosing(body) as chunks:
-                async for chunk in chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if write_body is not None:
+                    async for chunk in chunks:
+                        await write_body(chunk)
+                else:
+                    async for chunk in chunks:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
             body = b""
         # Shielded: sending the last body makes Hypercorn recycle the connection (see
         # ProxyHTTPConnection in http/app.py for why this send must not be cancelled).

@@ -66,7 +66,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState, LifespanState
 from hypercorn.utils import parse_socket_addr, repr_socket_addr, wrap_app
 
-from .fastpath import FAST_ROUTES
+from .fastpath import BODY_WRITER, FAST_ROUTES
 
 log = logging.getLogger("thunderproxy.http")
 
@@ -313,7 +313,7 @@ class Connection:
             "client": self.client,
             "server": self.server,
             "state": self.state.copy(),
-            "extensions": {},
+            "extensions": {BODY_WRITER: self.write_body},
         }
         self.body_done = self.gone = self.started = self.done = self.chunked = False
         self.head = b""
@@ -418,6 +418,20 @@ class Connection:
             await self._write(out)
         else:
             raise RuntimeError(f"unexpected ASGI message {message['type']!r}")
+
+    async def write_body(self, body: bytes) -> None:
+        """``send`` of a body with more to come, without the message (``BODY_WRITER``): the
+        relay's hot path, one write per relayed chunk, framed here."""
+        if self.done or self.gone:
+            return
+        if not self.chunked:
+            await self.send({"type": "http.response.body", "body": body, "more_body": True})
+            return
+        out = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
+        if self.head:
+            out, self.head = self.head + out, b""
+        if out:
+            await self._write(out)
 
     def _start(self, message: dict[str, Any]) -> None:
         """The response head, as Hypercorn writes it; sent with the first body."""

@@ -149,6 +149,17 @@ class MessagesTap(SseTap):
             content.append(block)
         return {"role": "assistant", "content": content}
 
+    def _passes(self, chunk: bytes) -> bool:
+        # As ``_skippable``, for a whole chunk; an ``error`` event's name counts too, and the
+        # end (``message_stop``) must be seen.
+        return (
+            self.content_started
+            and not self.collect_answer
+            and b'"usage"' not in chunk
+            and b"error" not in chunk
+            and b"message_stop" not in chunk
+        )
+
     def _on_event(self, event: SseEvent) -> bool:
         data = event.data
         if event.name == "message_stop" or b'"message_stop"' in data:

@@ -288,6 +288,18 @@ class SseTap:
     def feed(self, chunk: bytes) -> bytes:
         if self._overflowed:
             return chunk
+        if (
+            chunk[-2:] == b"\n\n"
+            and chunk[-3:-2] not in b"\r\n"  # (an empty slice is "in": too short, not taken)
+            and not self._buffer
+            and len(chunk) <= self.max_event_bytes
+            and self._passes(chunk)
+        ):
+            # The relay's common chunk: whole events, none of which can matter. With nothing
+            # held back and the chunk ending in a blank line that follows event text, its
+            # events end exactly where it does; ``_passes`` found no marker of anything read.
+            # So each event would be relayed unread and whole: relayed as one piece instead.
+            return chunk
         self._buffer += chunk
         kept = bytearray()
         start = 0
@@ -343,6 +355,12 @@ class SseTap:
             f"an upstream SSE event grew past {self.max_event_bytes} bytes; the proxy stopped "
             "reading this stream (its usage is unknown) and relays it unchanged"
         )
+
+    def _passes(self, chunk: bytes) -> bool:
+        """Whether every event in ``chunk`` (whole events only) is one ``_on_event`` would
+        neither read nor hide: a byte scan for the markers of what it reads. A chunk that
+        names one, or any chunk before the first token, is read event by event."""
+        return False
 
     def _skippable(self, data: bytes, *, collecting: bool) -> bool:
         """After the first token, an event that names neither usage nor an error matters only

@@ -144,6 +144,16 @@ class ChatTap(SseTap):
             ]
         return message
 
+    def _passes(self, chunk: bytes) -> bool:
+        # As ``_skippable``, for a whole chunk, and without ``[DONE]``: the end must be seen.
+        return (
+            self.content_started
+            and not self.collect_answer
+            and b'"usage"' not in chunk
+            and b'"error"' not in chunk
+            and b"[DONE]" not in chunk
+        )
+
     def _on_event(self, event: SseEvent) -> bool:
         data = event.data
         if data == b"[DONE]":

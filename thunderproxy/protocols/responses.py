@@ -113,6 +113,14 @@ class ResponsesTap(SseTap):
         """The response's output items, as the client will send them back next turn."""
         return self._output
 
+    def _passes(self, chunk: bytes) -> bool:
+        # What ``_on_event`` skips unread, for a whole chunk (an ``error`` event's name too).
+        return (
+            self.content_started
+            and b"error" not in chunk
+            and not any(m in chunk for m in _FINAL_MARKERS)
+        )
+
     def _on_event(self, event: SseEvent) -> bool:
         if self.content_started and not any(m in event.data for m in _FINAL_MARKERS):
             return False
