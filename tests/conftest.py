@@ -20,9 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from hypothesis import HealthCheck, settings
 
 from thunderproxy.config import load_settings
 from thunderproxy.runtime import RunningProxy, run
+
+# The suite runs on two shared cores: how long an example takes there says nothing about the
+# code, so neither a per-example deadline nor the "too slow" health check may fail a test.
+settings.register_profile(
+    "thunderproxy", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("thunderproxy")
 
 
 @asynccontextmanager
