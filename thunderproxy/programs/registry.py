@@ -152,6 +152,14 @@ class ProgramRegistry:
             out.update(kept)
         return list(out.values())
 
+    def backend_index(self, backend: str) -> BackendIndex | None:
+        """One backend's index, to read (scheduling's bound on a backend's use: views.py)."""
+        return self._index.get(backend)
+
+    def waiting(self) -> list[Program]:
+        """The programs a request of which waits for a resume."""
+        return list(self._waiting.values())
+
     def idle_since(self, cutoff: float) -> list[Program]:
         """The programs whose last activity was at or before ``cutoff``, oldest first; walks
         only those (the index is kept in order of last activity)."""

@@ -18,17 +18,38 @@ from .policy import Action, BackendView, Decision, PolicyConfig, ProgramView
 
 
 class Views:
-    """The programs and backends as the policy sees them, built on first use."""
+    """The programs and backends as the policy sees them, built on first use.
+
+    Building the programs' views costs every program still holding KV; ``bound`` and
+    ``paused`` (where the source keeps them up to date as programs change: views.py) let tr
+    see that a call changes nothing without building them, so that the cost of such a call
+    is that of the calls in flight, not of the programs tracked."""
 
     def __init__(
         self,
         programs: Callable[[], list[ProgramView]],
         backends: Callable[[], list[BackendView]],
         idle: Callable[[float], list[ProgramView]] | None = None,
+        *,
+        bound: Callable[[BackendView], int] | None = None,
+        paused: Callable[[], bool] | None = None,
     ) -> None:
         self._programs = programs
         self._backends = backends
         self._idle = idle
+        self._bound = bound
+        self._paused = paused
+
+    def bound(self, backend: BackendView) -> int | None:
+        """At least what ``policy.used_tokens`` counts on ``backend`` over any of
+        ``programs``, at any time (None: not kept)."""
+        return None if self._bound is None else self._bound(backend)
+
+    def any_paused(self) -> bool:
+        """Whether any program is paused."""
+        if self._paused is None:
+            return any(p.status is ProgramStatus.PAUSED for p in self.programs)
+        return self._paused()
 
     def idle(self, seconds: float) -> list[ProgramView]:
         """Programs without activity for ``seconds`` or more (all programs, if not narrowed)."""
@@ -114,13 +135,25 @@ class TrPolicy(DefaultPolicy):
     def on_return(self, program: ProgramView, views: Views, now: float) -> Decision | None:
         if not self.config.gate_returns or program.backend is None:
             return None
-        return policy.on_return(
-            program, views.backend(program.backend), views.programs, self.config, now
-        )
+        backend = views.backend(program.backend)
+        bound = views.bound(backend)
+        if bound is not None:
+            fits = policy.fits_on_return(program, backend, bound, self.config, now)
+            if fits is not None:
+                return fits
+        return policy.on_return(program, backend, views.programs, self.config, now)
 
     def rebalance(
         self, views: Views, now: float, *, backends: frozenset[str] | None = None
     ) -> list[Decision]:
+        # Nothing paused and every backend in bounds: enforce would pause and mark nothing
+        # and there is nothing to resume, known without building the programs' views.
+        if not views.any_paused() and all(
+            policy.settled(view, views.bound(view), self.config, now)
+            for view in views.backends
+            if backends is None or view.url in backends
+        ):
+            return []
         programs = views.programs
         decisions: list[Decision] = []
         for view in views.backends:

@@ -471,6 +471,35 @@ def enforce(
     return decisions
 
 
+def settled(b: BackendView, bound: int | None, cfg: PolicyConfig, now: float) -> bool:
+    """Whether ``enforce`` on ``b`` decides nothing, known without summing the programs:
+    given that no program is paused (so none waits at half its bound: no ``due`` head) and
+    ``bound`` at least what ``used_tokens`` counts on ``b`` (None: not known). Each test
+    here is one ``enforce`` makes before it returns nothing."""
+    cap = limit(b, cfg, fill=1.0, others=False)
+    if cap is None or not b.healthy or not b.hold:
+        return True
+    if b.last_pause_at is not None and now - b.last_pause_at < cfg.pause_cooldown_s:
+        return True  # cooling, and no head to make room for
+    return bound is not None and bound <= cap
+
+
+def fits_on_return(
+    p: ProgramView, b: BackendView, bound: int, cfg: PolicyConfig, now: float
+) -> Decision | None:
+    """``on_return``'s ``fits``, where ``bound`` (at least what ``used_tokens`` counts on
+    ``b`` for the other programs) shows it without the sum; None where the bound does not
+    show it, and ``on_return`` decides. The decision carries no ``used_tokens``: it was not
+    summed (an admitted return is not logged)."""
+    cap = limit(b, cfg, fill=1.0)
+    if cap is None or p.protected_until > now or not b.hold:
+        return None  # on_return's own answer, not "fits"
+    # need() is at most the call's own tokens: the shared prefix only takes off.
+    if bound + max(0, p.tokens + cfg.decode_buffer) > cap:
+        return None
+    return _decision(Action.ADMIT, p, "fits", b, cfg, now, None, cap=cap)
+
+
 def _fits(p: ProgramView, b: BackendView, used: int, cfg: PolicyConfig) -> bool:
     cap = limit(b, cfg)
     if cap is None:

@@ -3,12 +3,13 @@ the pool and what the scheduler learned about each backend; and placement within
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..backends import BackendNode, BackendPool, Route
 from ..errors import ModelNotFound, NoBackendAvailable
-from ..programs import Program, ProgramRegistry
+from ..programs import Program, ProgramRegistry, ProgramStatus
 from .claims import holds
 from .costs import HoldLedger
 from .learners import CapacityFactor, SharedPrefix
@@ -59,6 +60,8 @@ class ViewSource:
         self._waited: dict[str, float] = {}
         #: Backends serving each model; cleared by ``refresh`` (after each metrics poll).
         self._eligible: dict[str | None, frozenset[str] | None] = {}
+        #: ProgramViews built so far: what a call costs grows with them (tests bound it).
+        self.programs_viewed = 0
 
     def refresh(self) -> None:
         self._eligible.clear()
@@ -135,7 +138,44 @@ class ViewSource:
             # Released programs' totals go in one pass now and then, not on every release.
             self._waited = {k: v for k, v in self._waited.items() if k in self.registry}
 
+    def used_bound(self, b: BackendView) -> int:
+        """At least what ``policy.used_tokens`` counts on ``b`` over the programs ``views``
+        sees, at any time, from the registry's index: it walks the calls in flight and the
+        waiting requests, not the programs tracked.
+
+        ``used_tokens`` sums each counted program's ``weight`` and takes the shared prefix
+        off for every counted program past the first. Here: a REASONING program, or an
+        ACTING one whose request waits, weighs its tokens and the decode buffer, as there; an
+        ACTING program weighs at most its tokens times the tool coefficient (its claim only
+        decays, or is whole or nothing with a keep horizon), summed over the backend's
+        acting programs in one product (the index keeps their tokens' sum), plus one token
+        for the product's rounding against the per-program ones; PAUSED programs weigh
+        nothing. The prefix is taken off only for the REASONING programs not marked, which
+        every such sum counts. Terms that could be negative are left out, so the bound holds
+        over any subset of the programs that keeps those REASONING ones: ``on_return``'s,
+        which leaves out the returning (ACTING) program."""
+        cfg = self.config
+        buffer = cfg.decode_buffer
+        index = self.registry.backend_index(b.url)
+        if index is None:
+            return 0
+        total = 0
+        reasoning = 0
+        for p in index.reasoning.values():
+            if not p.marked_for_pause:
+                total += max(0, p.total_tokens + buffer)
+                reasoning += 1
+        total += math.ceil(max(0.0, cfg.tool_coefficient) * index.acting_tokens) + 1
+        for p in self.registry.waiting():
+            if p.status is ProgramStatus.ACTING and p.backend == b.url and not p.marked_for_pause:
+                total += max(0, p.total_tokens + buffer)
+        return max(0, total - max(0, reasoning - 1) * b.shared_prefix_tokens)
+
+    def paused(self) -> bool:
+        return self.registry.counts()[ProgramStatus.PAUSED] > 0
+
     def program_view(self, p: Program) -> ProgramView:
+        self.programs_viewed += 1
         return ProgramView(
             program_id=p.program_id,
             status=p.status,
@@ -176,7 +216,7 @@ class ViewSource:
         def idle(seconds: float) -> list[ProgramView]:
             return [self.program_view(p) for p in self.registry.idle_since(now - seconds)]
 
-        return Views(programs, self.backend_views, idle)
+        return Views(programs, self.backend_views, idle, bound=self.used_bound, paused=self.paused)
 
     def choose(self, program_id: str, current: str | None, route: Route) -> BackendNode:
         """The backend of ``route`` a program goes to: sticky while healthy, else the least
