@@ -20,12 +20,13 @@ import httpx
 import pytest
 import trio
 import trio.testing
+from hypercorn.config import Config
 from hypercorn.trio.tcp_server import TCPServer
 
 from tests.conftest import query, running_proxy
 from tests.http.test_relay_fastpath import METRICS, burst_answer, plain
 from thunderproxy.bench.relay_floor import read_request
-from thunderproxy.http.front import Connection
+from thunderproxy.http.front import Connection, serve_front
 
 CHAT = b"/v1/chat/completions"
 BODY = json.dumps(
@@ -158,6 +159,27 @@ def responses(raw: bytes, count: int) -> list[tuple[int, dict[str, str], bytes]]
         if client.our_state is h11.DONE and client.their_state is h11.DONE:
             client.start_next_cycle()
     return found
+
+
+async def lifespan(receive: Any, send: Any) -> None:
+    """An ASGI app's lifespan that only starts and stops."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+@asynccontextmanager
+async def front_alone(app: Any) -> AsyncIterator[str]:
+    """``app`` served by the front alone on a loopback port; its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    sock.setblocking(False)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_front, app, Config(), sock, shutdown_trigger=stop.wait))
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        stop.set()
 
 
 class Counted:
@@ -383,53 +405,35 @@ async def test_the_stop_closes_idle_connections_and_lets_a_stream_finish(tmp_pat
 async def test_an_app_that_starts_an_answer_and_returns_still_sends_its_head() -> None:
     """An app that ends without its body, or raises before answering: the client gets the
     head (then the close), or a 500, never a silent close."""
-    from hypercorn.config import Config
-
-    from thunderproxy.http.front import serve_front
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
         await receive()
         if scope["path"] == "/v1/completions":
             raise RuntimeError("the app failed before answering")
         await send({"type": "http.response.start", "status": 200, "headers": []})
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    sock.setblocking(False)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(partial(serve_front, app, Config(), sock, shutdown_trigger=stop.wait))
+    async with front_alone(app) as url:
         started = await exchange_raw(url, post(CHAT, BODY))
         assert started.startswith(b"HTTP/1.1 200 ")
         assert b"transfer-encoding: chunked" in started.lower()
         failed = await exchange_raw(url, post(b"/v1/completions", BODY))
         assert responses(failed, 1)[0][0] == 500
-        stop.set()
 
 
 async def test_a_body_through_the_writer_is_the_body_through_messages() -> None:
     """The front offers the relay a body writer (``BODY_WRITER``); what it writes is byte for
     byte what the same chunks sent as ASGI messages write, the head with the first chunk."""
-    from hypercorn.config import Config
-
     from thunderproxy.http.fastpath import BODY_WRITER
-    from thunderproxy.http.front import serve_front
 
     chunks = [b"data: one\n\n", b"", b"data: two\r\n\r\n", b"x" * 70_000]
     offered: list[bool] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
         await receive()
         writer = scope["extensions"].get(BODY_WRITER)
@@ -443,17 +447,9 @@ async def test_a_body_through_the_writer_is_the_body_through_messages() -> None:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    sock.setblocking(False)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(partial(serve_front, app, Config(), sock, shutdown_trigger=stop.wait))
+    async with front_alone(app) as url:
         by_messages = await exchange_raw(url, post(CHAT, BODY))
         by_writer = await exchange_raw(url, post(b"/v1/completions", BODY))
-        stop.set()
     assert offered == [True, True]
 
     def without_date(raw: bytes) -> bytes:
