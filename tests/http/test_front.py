@@ -24,7 +24,7 @@ from hypercorn.config import Config
 from hypercorn.trio.tcp_server import TCPServer
 
 from tests.conftest import query, running_proxy
-from tests.http.test_relay_fastpath import METRICS, burst_answer, plain
+from tests.http.test_relay_fastpath import answer_the_rest, burst_answer
 from thunderproxy.bench.relay_floor import read_request
 from thunderproxy.http.front import Connection, serve_front
 
@@ -79,13 +79,8 @@ async def serve_backend(release: trio.Event, stream: trio.SocketStream) -> None:
             await send_big_answer(stream)
         elif request.target == CHAT:
             await stream.send_all(burst_answer(4))
-        elif request.target == b"/metrics":
-            await stream.send_all(plain(200, METRICS, b"text/plain"))
-        elif request.target == b"/v1/models":
-            models = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
-            await stream.send_all(plain(200, models, b"application/json"))
         else:
-            await stream.send_all(plain(200, b"", b"text/plain"))
+            await answer_the_rest(stream, request.target)
 
 
 @asynccontextmanager

@@ -72,13 +72,20 @@ async def serve_burst_backend(stream: trio.SocketStream) -> None:
         path = request.target
         if path == b"/v1/chat/completions":
             await stream.send_all(burst_answer(EVENTS))
-        elif path == b"/metrics":
-            await stream.send_all(plain(200, METRICS, b"text/plain"))
-        elif path == b"/v1/models":
-            models = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
-            await stream.send_all(plain(200, models, b"application/json"))
         else:
-            await stream.send_all(plain(200, b"", b"text/plain"))
+            await answer_the_rest(stream, path)
+
+
+async def answer_the_rest(stream: trio.SocketStream, path: bytes) -> None:
+    """What a plain-socket backend answers besides its completions: its metrics, its one
+    model ``m``, and an empty 200 to anything else."""
+    if path == b"/metrics":
+        await stream.send_all(plain(200, METRICS, b"text/plain"))
+    elif path == b"/v1/models":
+        models = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
+        await stream.send_all(plain(200, models, b"application/json"))
+    else:
+        await stream.send_all(plain(200, b"", b"text/plain"))
 
 
 @asynccontextmanager
