@@ -93,11 +93,14 @@ CFG = PolicyConfig(
 
 
 @asynccontextmanager
-async def open_harness(cfg: PolicyConfig = CFG) -> AsyncIterator[Harness]:
-    """A tr scheduler with ``cfg`` over one backend of 10,000 KV tokens, and its records."""
+async def open_harness(
+    cfg: PolicyConfig = CFG, *, capacity: int = 10_000
+) -> AsyncIterator[Harness]:
+    """A tr scheduler with ``cfg`` over one backend of ``capacity`` KV tokens, and its
+    records."""
     send, receive = trio.open_memory_channel[AuditRecord](100_000)
     async with open_backend_pool([B0]) as pool:
-        pool.get(B0).snapshot = snapshot(10_000)  # type: ignore[union-attr]
+        pool.get(B0).snapshot = snapshot(capacity)  # type: ignore[union-attr]
         scheduler = Scheduler(
             policy=TrPolicy(cfg),
             registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),

@@ -9,68 +9,29 @@ whatever the programs' states, the configuration and the time, or a decision wou
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thunderproxy.audit import AuditLog
-from thunderproxy.audit.records import AuditRecord, TransitionRecord
-from thunderproxy.backends import BackendPool, EngineSnapshot, Route, open_backend_pool
+from tests.scheduling.test_scheduler import B0, B1, begin, end, open_harness
+from thunderproxy.backends import BackendPool
 from thunderproxy.programs import ProgramRegistry, StepUsage
-from thunderproxy.scheduling import Scheduler, TrPolicy
+from thunderproxy.scheduling import TrPolicy
 from thunderproxy.scheduling.policies import Views
 from thunderproxy.scheduling.policy import BackendView, PolicyConfig, used_tokens
 from thunderproxy.scheduling.views import ViewSource
-
-B0, B1 = "http://b0", "http://b1"
-
-
-def _snapshot(capacity: int) -> EngineSnapshot:
-    return EngineSnapshot(
-        flavour="vllm",
-        engines=1,
-        capacity_tokens=capacity,
-        block_size=16,
-        num_gpu_blocks=capacity // 16,
-        kv_usage=0.0,
-        running=0,
-        waiting=0,
-        prefix_queries_total=0,
-        prefix_hits_total=0,
-        preemptions_total=0.0,
-    )
-
-
-@asynccontextmanager
-async def _scheduler(capacity: int) -> AsyncIterator[tuple[Scheduler, Route]]:
-    send, _receive = trio.open_memory_channel[AuditRecord](1_000_000)
-    async with open_backend_pool([B0]) as pool:
-        node = pool.get(B0)
-        assert node is not None
-        node.snapshot = _snapshot(capacity)
-        yield (
-            Scheduler(
-                policy=TrPolicy(PolicyConfig()),
-                registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
-                pool=pool,
-                audit=AuditLog(send, run_id=1),
-            ),
-            Route(None, None, (node,)),
-        )
 
 
 async def _views_per_call(programs: int, capacity: int) -> tuple[float, int]:
     """ProgramViews built per returning call, with ``programs`` programs called in turn (each
     called once before), and how many programs ended paused."""
-    async with _scheduler(capacity) as (scheduler, route):
+    async with open_harness(PolicyConfig(), capacity=capacity) as harness:
+        scheduler = harness.scheduler
 
         async def call(k: int) -> None:
             now = trio.current_time()
-            lease = await scheduler.lease(f"p{k}", route, arrived_at=now, context_chars=4_000)
-            scheduler.close(lease, StepUsage(1_000, 30, 900), reason="response complete")
+            lease = await begin(scheduler, f"p{k}", arrived_at=now, context_chars=4_000)
+            end(scheduler, lease, 200, StepUsage(1_000, 30, 900))
 
         for k in range(programs):
             await call(k)
