@@ -186,6 +186,18 @@ class Call:
         return held and bool(self.decisions) and self.decisions[-1][0] in ("queue", "pause")
 
 
+async def release_then_resumed(a: Instance, a1: StepLease, b: Instance, call: Call) -> None:
+    """A's program ends and is released; once both instances have published, B's held call
+    goes out, resumed on the fit test (A is still live)."""
+    end(a.scheduler, a1, 200, StepUsage(5_900, 100, 0))
+    a.scheduler.release("a1")
+    await a.publish()
+    await b.publish()
+    b.scheduler.rebalance(trio.current_time())
+    await until(lambda: call.lease is not None, "b1 was not resumed")
+    assert ("resume", "b1", "capacity_free") in b.decisions()
+
+
 async def test_alone_the_ledger_decides_as_without_redis(
     redis_server: RedisServer, mock_clock: trio.testing.MockClock
 ) -> None:
@@ -248,13 +260,7 @@ async def test_a_first_call_where_holding_does_not_pay_waits_for_the_others_room
 
         # A's program ends and is released: B's call goes out once B reads it, on the fit test
         # (A is still live).
-        end(a.scheduler, a1, 200, StepUsage(5_900, 100, 0))
-        a.scheduler.release("a1")
-        await a.publish()
-        await b.publish()
-        b.scheduler.rebalance(trio.current_time())
-        await until(lambda: call.lease is not None, "b1 was not resumed")
-        assert ("resume", "b1", "capacity_free") in b.decisions()
+        await release_then_resumed(a, a1, b, call)
         assert b.shared.granted == 1
 
 
@@ -296,10 +302,4 @@ async def test_a_returning_call_where_holding_does_not_pay_waits_for_the_others_
             assert call.decisions[-1][:2] == ("pause", "b1")
             assert b.status("b1") is ProgramStatus.PAUSED
 
-            end(a.scheduler, a1, 200, StepUsage(5_900, 100, 0))
-            a.scheduler.release("a1")
-            await a.publish()
-            await b.publish()
-            b.scheduler.rebalance(trio.current_time())
-            await until(lambda: call.lease is not None, "b1 was not resumed")
-            assert ("resume", "b1", "capacity_free") in b.decisions()
+            await release_then_resumed(a, a1, b, call)
