@@ -3,7 +3,8 @@ connection the server closed while idle, and an unfinished answer closing its co
 
 from __future__ import annotations
 
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
 from functools import partial
 
 import pytest
@@ -95,6 +96,15 @@ def test_reads_of_whole_chunks_or_any_split_decode_alike(
 ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
+@asynccontextmanager
+async def serving(backend: Callable[[trio.SocketStream], Awaitable[None]]) -> AsyncIterator[int]:
+    """``backend`` serving loopback connections for the block; its port. Closed after it."""
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, backend, 0, host="127.0.0.1"))
+        yield listeners[0].socket.getsockname()[1]
+        nursery.cancel_scope.cancel()
+
+
 async def read_request(stream: trio.SocketStream) -> bytes | None:
     data = b""
     while b"\r\n\r\n" not in data:
@@ -127,9 +137,7 @@ async def test_keep_alive_reuse_and_retry_after_an_idle_close() -> None:
             await stream.send_all(ANSWER + b"3\r\nyes\r\n0\r\n\r\n")
         # Then this connection is closed while the client holds it idle.
 
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, backend, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
+    async with serving(backend) as port:
         pool = H1Pool(
             f"http://u:p%40ss@127.0.0.1:{port}/base", connect_timeout=5, max_connections=4
         )
@@ -148,7 +156,6 @@ async def test_keep_alive_reuse_and_retry_after_an_idle_close() -> None:
         assert b"content-length: 2" in heads[0]
         assert b"x-a: b" in heads[0]
         pool.close()
-        nursery.cancel_scope.cancel()
 
 
 async def test_an_answer_closed_half_way_closes_its_connection() -> None:
@@ -162,9 +169,7 @@ async def test_an_answer_closed_half_way_closes_its_connection() -> None:
                 pass
         seen_end.set()  # the backend learns the client left: it would abort the request
 
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, backend, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
+    async with serving(backend) as port:
         pool = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
         with trio.fail_after(10):
             response = await pool.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))
@@ -173,7 +178,6 @@ async def test_an_answer_closed_half_way_closes_its_connection() -> None:
                 await response.aclose()
             await seen_end.wait()
             assert not pool._idle
-        nursery.cancel_scope.cancel()
 
 
 async def test_refused_and_malformed_answers_are_backend_errors() -> None:
@@ -181,17 +185,13 @@ async def test_refused_and_malformed_answers_are_backend_errors() -> None:
         await read_request(stream)
         await stream.send_all(b"SPDY/9 200\r\n\r\n")
 
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, garbage, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
+    async with serving(garbage) as port:
         pool = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
         with pytest.raises(BackendProtocolError, match="malformed"):
             await pool.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))
         # The slot of the failed request was given back.
         with pytest.raises(BackendProtocolError):
             await pool.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))
-        listeners[0].socket.close()
-        nursery.cancel_scope.cancel()
     refused = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
     with pytest.raises(BackendUnavailable, match="refused"):
         await refused.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))
@@ -210,9 +210,7 @@ async def test_each_piece_must_come_within_the_read_timeout_of_being_asked_for()
             await stream.send_all(b"2\r\nok\r\n")
         await stalled.wait()
 
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, backend, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
+    async with serving(backend) as port:
         pool = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
         with trio.fail_after(10):
             response = await pool.send(UpstreamRequest("POST", "/v1/x", [], b"{}"))
@@ -229,7 +227,6 @@ async def test_each_piece_must_come_within_the_read_timeout_of_being_asked_for()
             await response.aclose()
             stalled.set()
         pool.close()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_large_body_reaches_the_backend_whole_after_its_head() -> None:
@@ -248,13 +245,10 @@ async def test_a_large_body_reaches_the_backend_whole_after_its_head() -> None:
         received.append(body)
         await stream.send_all(ANSWER + b"2\r\nok\r\n0\r\n\r\n")
 
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, backend, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
+    async with serving(backend) as port:
         pool = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
         with trio.fail_after(10):
             response = await pool.send(UpstreamRequest("POST", "/v1/x", [], content))
             assert await response.aread() == b"ok"
         assert received == [content]
         pool.close()
-        nursery.cancel_scope.cancel()
