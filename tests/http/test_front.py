@@ -25,7 +25,7 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from tests.conftest import query, running_proxy
 from tests.http.test_relay_fastpath import answer_the_rest, burst_answer
-from thunderproxy.bench.relay_floor import read_request
+from thunderproxy.bench.relay_floor import requests
 from thunderproxy.http.front import Connection, serve_front
 
 CHAT = b"/v1/chat/completions"
@@ -62,12 +62,7 @@ async def send_big_answer(stream: trio.SocketStream) -> None:
 async def serve_backend(release: trio.Event, stream: trio.SocketStream) -> None:
     """A plain-socket backend: a whole streamed answer at once, except to a prompt of
     ``slow``, whose answer stops after its first chunk until ``release`` is set."""
-    buffer = b""
-    while True:
-        read = await read_request(stream, buffer)
-        if read is None:
-            return
-        request, buffer = read
+    async for request in requests(stream):
         if request.target == CHAT and b'"slow"' in request.body:
             answer = burst_answer(4)
             first = answer.index(b"\r\n\r\n") + 4

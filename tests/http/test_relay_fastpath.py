@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from tests.conftest import query, running_proxy
-from thunderproxy.bench.relay_floor import read_request
+from thunderproxy.bench.relay_floor import requests
 from thunderproxy.http.app import ProxyHTTPConnection
 from thunderproxy.http.fastpath import FastRoutes
 from thunderproxy.http.front import Connection
@@ -63,12 +63,7 @@ def plain(status: int, body: bytes, content_type: bytes) -> bytes:
 
 async def serve_burst_backend(stream: trio.SocketStream) -> None:
     """A plain-socket backend, so that how its answer is split into writes is exact."""
-    buffer = b""
-    while True:
-        read = await read_request(stream, buffer)
-        if read is None:
-            return
-        request, buffer = read
+    async for request in requests(stream):
         path = request.target
         if path == b"/v1/chat/completions":
             await stream.send_all(burst_answer(EVENTS))

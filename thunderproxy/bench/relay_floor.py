@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,14 +127,17 @@ async def read_request(
     return PlainRequest(method, target, headers, buffer[:length]), buffer[length:]
 
 
-async def _serve_trio_connection(pool: H1Pool, stream: trio.SocketStream) -> None:
+async def requests(stream: trio.SocketStream) -> AsyncIterator[PlainRequest]:
+    """The requests on ``stream`` in turn (``read_request``), until the peer closes."""
     buffer = b""
+    while (read := await read_request(stream, buffer)) is not None:
+        plain, buffer = read
+        yield plain
+
+
+async def _serve_trio_connection(pool: H1Pool, stream: trio.SocketStream) -> None:
     async with stream:
-        while True:
-            read = await read_request(stream, buffer)
-            if read is None:
-                return
-            plain, buffer = read
+        async for plain in requests(stream):
             request = UpstreamRequest(
                 plain.method.decode("latin-1"),
                 plain.target.decode("latin-1"),
