@@ -133,11 +133,6 @@ class Scheduler:
     # -- placement ------------------------------------------------------------------------------
 
     def _choose(self, program_id: str, current: str | None, route: Route) -> BackendNode:
-        if current is not None:
-            # Sticky while healthy (placement.py): the common case needs no per-backend loads.
-            for node in route.nodes:
-                if node.url == current and node.healthy:
-                    return node
         return self.source.choose(program_id, current, route)
 
     def predict(self, program_id: str, model: str) -> str | None:

@@ -221,6 +221,12 @@ class ViewSource:
     def choose(self, program_id: str, current: str | None, route: Route) -> BackendNode:
         """The backend of ``route`` a program goes to: sticky while healthy, else the least
         loaded (placement.py); raises NoBackendAvailable when none of the group is healthy."""
+        if current is not None:
+            # placement's first rule, taken here without the per-backend loads it does not
+            # need: the common case, a program's every call after its first.
+            for n in route.nodes:
+                if n.url == current and n.healthy:
+                    return n
         loads = self.registry.load_by_backend()
         candidates = [
             Candidate(
