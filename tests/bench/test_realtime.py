@@ -6,6 +6,7 @@ Slow (tens of seconds each), so marked ``slow``: run with ``pytest -m slow tests
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -134,3 +135,48 @@ async def test_overhead_cells_measure_latency_and_proxy_cpu() -> None:
     assert proxied["proxy_idle_cpu_util"] is not None
     assert "added_ttft_p50_ms" in proxied
     assert "proxy_cpu_per_chunk_us" in overhead.table(rows)
+
+
+@pytest.fixture(scope="session")
+def nginx_installed() -> None:
+    if overhead.nginx_command() is None:
+        apt = shutil.which("apt-get")
+        for argv in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", "nginx-light"]):
+            if apt is None or subprocess.run(argv, capture_output=True, check=False).returncode:
+                break
+    if overhead.nginx_command() is None:
+        pytest.skip("nginx is not installed and apt-get could not install it")
+
+
+async def test_overhead_rounds_measure_nginx_against_their_own_direct_cells(
+    nginx_installed: None,
+) -> None:
+    config = overhead.OverheadConfig(
+        concurrencies=(2,),
+        targets=("nginx",),
+        seconds=1.0,
+        warmup_s=0.5,
+        idle_s=0.2,
+        chunks=4,
+        rounds=2,
+    )
+    with trio.fail_after(120):
+        cells = await overhead.run_overhead(config)
+    rows = overhead.report(cells)
+    assert [(row["path"], row["round"]) for row in rows] == [
+        ("direct", 0),
+        ("nginx", 0),
+        ("direct", 1),
+        ("nginx", 1),
+    ]
+    for row in rows:
+        assert row["requests"] > 0
+        assert row["errors"] == 0
+        assert row["hops_p50_ms"] is not None  # nginx passes the backend's stamps through
+    for direct, relay in (rows[0:2], rows[2:4]):
+        assert relay["added_ttft_p50_ms"] == pytest.approx(
+            relay["ttft_p50_ms"] - direct["ttft_p50_ms"]
+        )
+        assert relay["proxy_cpu_per_chunk_us"] is not None
+    (summary,) = overhead.over_rounds(rows)
+    assert summary["rounds"] == 2

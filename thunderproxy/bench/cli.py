@@ -168,14 +168,22 @@ def _progress_factory(enabled: bool | None) -> Any:
 @click.option("--overhead", is_flag=True,
               help="Measure proxy overhead instead (a fast trivial backend; --sweep gives "
               "the stream counts, default 1,32,128; --target picks thunderproxy's routers "
-              "and the relays to compare: default, tr, floor, floor-trio, fastapi, "
-              "litellm).")  # fmt: skip
+              "and the relays to compare: default, tr, default-hypercorn, tr-hypercorn, "
+              "floor, floor-trio, nginx, fastapi, litellm).")  # fmt: skip
 @click.option(
     "--overhead-seconds",
     default=10.0,
     show_default=True,
     type=float,
     help="--overhead: measured seconds per cell.",
+)
+@click.option(
+    "--overhead-rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="--overhead: rounds per stream count, each direct then every target; with more than "
+    "one, each figure is also printed as its median and range over the rounds.",
 )
 @click.option(
     "--overhead-profile",
@@ -216,6 +224,7 @@ def bench_command(
     progress: bool | None,
     overhead: bool,
     overhead_seconds: float,
+    overhead_rounds: int,
     overhead_profile: str | None,
 ) -> None:
     """Replay agentic traces through a target against simulated backends and measure it.
@@ -239,7 +248,9 @@ def bench_command(
     """
     try:
         if overhead:
-            _overhead(targets, sweep, overhead_seconds, json_path, overhead_profile)
+            _overhead(
+                targets, sweep, overhead_seconds, json_path, overhead_profile, overhead_rounds
+            )
             return
         config = BenchConfig(
             trace=trace,
@@ -325,14 +336,23 @@ def _print_report(report: BenchReport) -> None:
 
 
 def _overhead(
-    targets: str, sweep: str, seconds: float, json_path: str | None, profile: str | None = None
+    targets: str,
+    sweep: str,
+    seconds: float,
+    json_path: str | None,
+    profile: str | None = None,
+    rounds: int = 1,
 ) -> None:
     from . import overhead
 
     chosen = overhead.parse_targets(targets)
     concurrencies = parse_int_list(sweep, flag="--sweep") or (1, 32, 128)
     config = overhead.OverheadConfig(
-        concurrencies=concurrencies, targets=chosen, seconds=seconds, profile_dir=profile
+        concurrencies=concurrencies,
+        targets=chosen,
+        seconds=seconds,
+        profile_dir=profile,
+        rounds=rounds,
     )
     if profile is not None:
         os.makedirs(profile, exist_ok=True)
@@ -340,6 +360,9 @@ def _overhead(
         cells = trio.run(overhead.run_overhead, config)
     rows = overhead.report(cells)
     click.echo(overhead.table(rows))
+    if rounds > 1:
+        click.echo(f"\nOver {rounds} rounds: median (lowest..highest)")
+        click.echo(overhead.rounds_table(overhead.over_rounds(rows)))
     click.echo(overhead.describe_run(config))
     if json_path:
         with open(json_path, "w", encoding="utf-8") as fh:

@@ -2,8 +2,12 @@
 
 Every chat or completion call streams ``chunks`` pre-built vLLM-shaped chunks ``interval_ms``
 apart (the usage chunk too, when asked), then ``[DONE]``; no model, no KV, almost no CPU, so
-what a proxy adds stands out. It answers /health, /metrics (a vLLM ``cache_config_info`` with a
-large capacity, so ``tr`` never pauses) and /v1/models.
+what a proxy adds stands out. The first chunk's ``id`` carries two stamps of the system's
+monotonic clock, ``chatcmpl-fast-<in>-<out>`` in nanoseconds: when the request's body was read
+and when the first chunk was sent. A client on the same machine subtracts them from its own
+times to get the two hops without the backend's own wait (``stamps``). It answers /health,
+/metrics (a vLLM ``cache_config_info`` with a large capacity, so ``tr`` never pauses) and
+/v1/models.
 
     python -m thunderproxy.bench.fastbackend --port 0 --chunks 32 --interval-ms 20
 """
@@ -12,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -26,6 +32,9 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 MODEL = "fast"
+UNSTAMPED = b'"chatcmpl-fast"'
+STAMPED = '"chatcmpl-fast-'
+STAMP = re.compile(r'"id": ?"chatcmpl-fast-(\d+)-(\d+)"')
 METRICS = (
     b"# TYPE vllm:num_requests_running gauge\n"
     b'vllm:num_requests_running{engine="0",model_name="fast"} 0.0\n'
@@ -101,6 +110,9 @@ class FastBackend:
             raw += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        # The system's monotonic clock, not trio's: the client in another process reads the same
+        # clock, and trio's has an offset of its own per run.
+        read_at = time.monotonic_ns()
         body = json.loads(raw or b"{}")
         want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         await send(
@@ -110,12 +122,23 @@ class FastBackend:
                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
             }
         )
-        for _ in range(self.chunks):
+        for i in range(self.chunks):
             if self.interval > 0:
                 await trio.sleep(self.interval)
-            await send({"type": "http.response.body", "body": self.token, "more_body": True})
+            token = self.token
+            if i == 0:
+                stamp = f'{STAMPED}{read_at}-{time.monotonic_ns()}"'.encode()
+                token = token.replace(UNSTAMPED, stamp, 1)
+            await send({"type": "http.response.body", "body": token, "more_body": True})
         tail = (self.usage if want_usage else b"") + self.done
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def stamps(line: str) -> tuple[int, int] | None:
+    """The backend's two stamps (ns: body read, first chunk sent) in a first chunk's line, if
+    the relay passed its ``id`` through."""
+    match = STAMP.search(line)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
 
 
 async def _respond(send: Send, status: int, body: bytes, content_type: bytes) -> None:

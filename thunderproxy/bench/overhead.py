@@ -16,10 +16,13 @@ import importlib.util
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
+import statistics
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ from ..config import load_settings
 from ..errors import ConfigError
 from . import figures, requestcost
 from .agent import BenchError
+from .fastbackend import stamps
 from .realtime import (
     PROXY_LISTENING,
     SIM_LISTENING,
@@ -51,10 +55,13 @@ ROUTERS = ("default", "tr")
 #: The routers with Hypercorn reading every connection (``--http-front hypercorn``), to measure
 #: the HTTP front (http/front.py) against in the same run.
 ON_HYPERCORN = ("default-hypercorn", "tr-hypercorn")
-RELAYS = ("floor", "floor-trio", "fastapi", "litellm")
+RELAYS = ("floor", "floor-trio", "nginx", "fastapi", "litellm")
 TARGETS = (*ROUTERS, *ON_HYPERCORN, *RELAYS)
 #: How to install what a relay needs, when it is missing.
 INSTALL = "pip install 'thunderproxy[bench]'"
+INSTALL_NGINX = "apt-get install nginx-light (or your system's nginx package)"
+#: nginx says nothing when it listens; it logs its file limit once its sockets are bound.
+NGINX_LISTENING = re.compile(rb"(getrlimit\(RLIMIT_NOFILE\))")
 UVICORN_LISTENING = re.compile(rb"Uvicorn running on (http://\S+)")
 #: LiteLLM imports for long; on a loaded machine it may take a minute to listen.
 LITELLM_START_S = 180.0
@@ -76,6 +83,8 @@ def parse_targets(value: str) -> tuple[str, ...]:
 
 def missing(target: str) -> str | None:
     """Why ``target`` cannot run here (None: it can)."""
+    if target == "nginx":
+        return None if nginx_command() else f"not installed (nginx): {INSTALL_NGINX}"
     needs = {"fastapi": ("fastapi", "uvicorn", "httpx"), "litellm": ("litellm",)}.get(target, ())
     for module in needs:
         if importlib.util.find_spec(module) is None:
@@ -83,6 +92,43 @@ def missing(target: str) -> str | None:
     if target == "litellm" and not litellm_command().exists():
         return f"not installed (no {litellm_command()}): {INSTALL}"
     return None
+
+
+def nginx_command() -> str | None:
+    # Debian installs it in /usr/sbin, which a user's PATH may leave out.
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
+
+
+def nginx_config(backend: str, port: int, scratch: Path) -> str:
+    """nginx as the C floor of a relay: one process in the foreground, HTTP/1.1 kept alive
+    to the backend, nothing buffered (each chunk goes out as it comes), no access log."""
+    upstream = backend.removeprefix("http://").rstrip("/")
+    temp = "\n".join(
+        f"  {kind}_temp_path {scratch / ('nginx-' + kind)};"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    return (
+        "daemon off;\n"
+        "master_process off;\n"
+        "worker_processes 1;\n"
+        "error_log stderr notice;\n"
+        f"pid {scratch / 'nginx.pid'};\n"
+        "events { worker_connections 4096; }\n"
+        "http {\n"
+        "  access_log off;\n"
+        f"{temp}\n"
+        f"  upstream backend {{ server {upstream}; keepalive 512; }}\n"
+        "  server {\n"
+        f"    listen 127.0.0.1:{port};\n"
+        "    location / {\n"
+        "      proxy_pass http://backend;\n"
+        "      proxy_http_version 1.1;\n"
+        '      proxy_set_header Connection "";\n'
+        "      proxy_buffering off;\n"
+        "    }\n"
+        "  }\n"
+        "}\n"
+    )
 
 
 def litellm_command() -> Path:
@@ -127,6 +173,9 @@ class OverheadConfig:
     interval_ms: float = 20.0
     #: Characters of the prompt (about four per token).
     prompt_chars: int = 4_000
+    #: Rounds per concurrency: each measures direct, then every target, so each target's added
+    #: latency is taken against the direct cell of its own round, minutes apart at most.
+    rounds: int = 1
     #: Where each router's cell leaves a cProfile dump of its measured window (None: not
     #: profiled; see ``requestcost.py``).
     profile_dir: str | None = None
@@ -136,12 +185,15 @@ class OverheadConfig:
 class Cell:
     path: str  # "direct", the proxy's router or another relay
     concurrency: int
+    round: int = 0
     #: Why the target was not measured (not installed, failed to start).
     skipped: str | None = None
     requests: int = 0
     chunks: int = 0
     errors: int = 0
     ttft_ms: list[float] = field(default_factory=list)
+    #: Each call's two hops (``hops_ms``): its time to first token less the backend's own wait.
+    hops_ms: list[float] = field(default_factory=list)
     total_ms: list[float] = field(default_factory=list)
     window_s: float = 0.0
     proxy_cpu_s: float | None = None
@@ -154,12 +206,14 @@ class Cell:
             "path": self.path,
             "skipped": self.skipped,
             "concurrency": self.concurrency,
+            "round": self.round,
             "requests": self.requests,
             "chunks": self.chunks,
             "errors": self.errors,
             "requests_per_s": self.requests / self.window_s if self.window_s else 0.0,
             "ttft_p50_ms": figures.percentile(self.ttft_ms, 50),
             "ttft_p99_ms": figures.percentile(self.ttft_ms, 99),
+            "hops_p50_ms": figures.percentile(self.hops_ms, 50),
             "total_p50_ms": figures.percentile(self.total_ms, 50),
             "total_p99_ms": figures.percentile(self.total_ms, 99),
             "proxy_cpu_s": self.proxy_cpu_s,
@@ -176,6 +230,17 @@ class Cell:
             out["proxy_cpu_per_chunk_us"] = 1e6 * busy / max(1, self.chunks)
             out["proxy_cpu_util"] = self.proxy_cpu_s / self.window_s
         return out
+
+
+def hops_ms(sent_ns: int, first_ns: int, line: str) -> float | None:
+    """The two hops of a call's time to first token, in ms: the request's way to the backend
+    and the first chunk's way back, without the backend's own wait between them (pure). None
+    when the relay did not pass the backend's stamps through."""
+    stamped = stamps(line)
+    if stamped is None:
+        return None
+    read_at, sent_at = stamped
+    return ((read_at - sent_ns) + (first_ns - sent_at)) / 1e6
 
 
 def client_cpu() -> float:
@@ -216,7 +281,9 @@ async def measure(
             body["extra_body"] = {"program_id": f"overhead-{i}"}
         while trio.current_time() < stop_at:
             sent = trio.current_time()
+            sent_ns = time.monotonic_ns()  # the backend's clock: see fastbackend.stamps
             first: float | None = None
+            hops: float | None = None
             chunks = 0
             try:
                 async with client.stream("POST", url + CHAT, json=body) as response:
@@ -225,6 +292,7 @@ async def measure(
                             chunks += 1
                             if first is None:
                                 first = trio.current_time()
+                                hops = hops_ms(sent_ns, time.monotonic_ns(), line)
                 ok = response.status_code == 200
             except httpx.HTTPError:
                 ok = False
@@ -237,6 +305,8 @@ async def measure(
             cell.requests += 1
             cell.chunks += chunks
             cell.ttft_ms.append(1000 * (first - sent))
+            if hops is not None:
+                cell.hops_ms.append(hops)
             cell.total_ms.append(1000 * (done - sent))
 
     async with trio.open_nursery() as nursery:
@@ -303,41 +373,60 @@ async def run_overhead(config: OverheadConfig) -> list[Cell]:
             )
             try:
                 for concurrency in config.concurrencies:
-                    cells.append(
-                        await measure(
-                            client, backend.url, Cell("direct", concurrency), config, proxy=None
+                    for round_ in range(config.rounds):
+                        cells += await measure_round(
+                            nursery, client, backend.url, Path(scratch), config, concurrency, round_
                         )
-                    )
-                    for target in config.targets:
-                        reason = missing(target)
-                        if reason is not None:
-                            cells.append(Cell(target, concurrency, skipped=reason))
-                            continue
-                        profile = None
-                        if config.profile_dir is not None and target not in RELAYS:
-                            profile = str(Path(config.profile_dir) / f"{target}-{concurrency}.prof")
-                        proxy = await start_target(
-                            nursery, target, backend.url, Path(scratch), concurrency, profile
-                        )
-                        try:
-                            await warm_up(client, proxy.url, config)
-                            idle = await idle_cpu(proxy, config.idle_s)
-                            cell = await measure(
-                                client,
-                                proxy.url,
-                                Cell(target, concurrency),
-                                config,
-                                proxy=proxy,
-                                profiled=profile is not None,
-                            )
-                            cell.proxy_idle_cpu = idle
-                            cells.append(cell)
-                        finally:
-                            await stop_child(proxy)
             finally:
                 await stop_child(backend)
                 nursery.cancel_scope.cancel()
     return cells
+
+
+async def measure_round(
+    nursery: trio.Nursery,
+    client: httpx.AsyncClient,
+    backend: str,
+    scratch: Path,
+    config: OverheadConfig,
+    concurrency: int,
+    round_: int,
+) -> list[Cell]:
+    """Direct, then each target in a fresh process of its own, at one concurrency."""
+    direct = Cell("direct", concurrency, round_)
+    cells = [await measure(client, backend, direct, config, proxy=None)]
+    progress(f"{concurrency} streams, round {round_ + 1}/{config.rounds}: direct measured")
+    for target in config.targets:
+        reason = missing(target)
+        if reason is not None:
+            cells.append(Cell(target, concurrency, round_, skipped=reason))
+            continue
+        profile = None
+        if config.profile_dir is not None and target not in RELAYS:
+            name = f"{target}-{concurrency}" + (f"-{round_}" if config.rounds > 1 else "")
+            profile = str(Path(config.profile_dir) / f"{name}.prof")
+        proxy = await start_target(nursery, target, backend, scratch, concurrency, profile)
+        try:
+            await warm_up(client, proxy.url, config)
+            idle = await idle_cpu(proxy, config.idle_s)
+            cell = await measure(
+                client,
+                proxy.url,
+                Cell(target, concurrency, round_),
+                config,
+                proxy=proxy,
+                profiled=profile is not None,
+            )
+            cell.proxy_idle_cpu = idle
+            cells.append(cell)
+        finally:
+            await stop_child(proxy)
+        progress(f"{concurrency} streams, round {round_ + 1}/{config.rounds}: {target} measured")
+    return cells
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 async def start_target(
@@ -373,6 +462,13 @@ async def start_target(
     if target == "fastapi":
         argv = [sys.executable, "-m", "thunderproxy.bench.relay_fastapi", "--backend", backend]
         return await start_child(nursery, "fastapi relay", argv, PROXY_LISTENING)
+    if target == "nginx":
+        port = free_port()
+        config = scratch / "nginx.conf"
+        config.write_text(nginx_config(backend, port, scratch), encoding="utf-8")
+        argv = [nginx_command() or "nginx", "-c", str(config), "-p", str(scratch)]
+        url = f"http://127.0.0.1:{port}"
+        return await start_child(nursery, "nginx relay", argv, NGINX_LISTENING, url=url)
     config = scratch / "litellm.yaml"
     config.write_text(litellm_config(backend), encoding="utf-8")
     argv = [str(litellm_command()), "--config", str(config), "--host", "127.0.0.1"]
@@ -383,28 +479,32 @@ async def start_target(
     )
 
 
+#: The latencies reported as what a target adds to direct's (``added_<key>``).
+ADDED = ("ttft_p50_ms", "ttft_p99_ms", "hops_p50_ms", "total_p50_ms", "total_p99_ms")
+
+
 def report(cells: list[Cell]) -> list[dict[str, Any]]:
     """One row per (target, concurrency): its figures, what it adds to direct, and its
     requests/s as a ratio to direct's and to thunderproxy's (the first router measured)."""
-    direct = {c.concurrency: c.summary() for c in cells if c.path == "direct"}
-    ours: dict[int, dict[str, Any]] = {}
+    direct = {(c.concurrency, c.round): c.summary() for c in cells if c.path == "direct"}
+    ours: dict[tuple[int, int], dict[str, Any]] = {}
     for cell in cells:
         if cell.path in ROUTERS and cell.skipped is None:
-            ours.setdefault(cell.concurrency, cell.summary())
+            ours.setdefault((cell.concurrency, cell.round), cell.summary())
     rows = []
     for cell in cells:
         row = cell.summary()
         if cell.skipped is not None:
             rows.append(row)
             continue
-        base = direct.get(cell.concurrency)
+        base = direct.get((cell.concurrency, cell.round))
         if cell.path != "direct" and base is not None:
-            for key in ("ttft_p50_ms", "ttft_p99_ms", "total_p50_ms", "total_p99_ms"):
+            for key in ADDED:
                 if row[key] is not None and base[key] is not None:
                     row["added_" + key] = row[key] - base[key]
             if base["requests_per_s"]:
                 row["rps_vs_direct"] = row["requests_per_s"] / base["requests_per_s"]
-        mine = ours.get(cell.concurrency)
+        mine = ours.get((cell.concurrency, cell.round))
         if cell.path in RELAYS and mine is not None and mine["requests_per_s"]:
             row["rps_vs_thunderproxy"] = row["requests_per_s"] / mine["requests_per_s"]
         rows.append(row)
@@ -424,6 +524,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ("total_p99_ms", "{:.1f}"),
         ("added_ttft_p50_ms", "{:+.1f}"),
         ("added_ttft_p99_ms", "{:+.1f}"),
+        ("added_hops_p50_ms", "{:+.2f}"),
         ("added_total_p50_ms", "{:+.1f}"),
         ("added_total_p99_ms", "{:+.1f}"),
         ("proxy_cpu_per_request_us", "{:.0f}"),
@@ -450,6 +551,52 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: The figures ``over_rounds`` sums up, each as its median and range over the rounds.
+ACROSS_ROUNDS = (
+    ("added_ttft_p50_ms", "{:+.1f}"),
+    ("added_hops_p50_ms", "{:+.2f}"),
+    ("proxy_cpu_per_chunk_us", "{:.0f}"),
+    ("rps_vs_direct", "{:.2f}"),
+)
+
+
+def over_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (target, concurrency), each figure of ``ACROSS_ROUNDS`` as (median, lowest,
+    highest) over the rounds it was measured in (pure)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["path"] != "direct" and row.get("skipped") is None:
+            groups.setdefault((row["path"], row["concurrency"]), []).append(row)
+    summary = []
+    for (path, concurrency), group in groups.items():
+        out: dict[str, Any] = {"path": path, "concurrency": concurrency, "rounds": len(group)}
+        for name, _ in ACROSS_ROUNDS:
+            values = sorted(row[name] for row in group if row.get(name) is not None)
+            out[name] = (statistics.median(values), values[0], values[-1]) if values else None
+        summary.append(out)
+    return summary
+
+
+def rounds_table(summary: list[dict[str, Any]]) -> str:
+    """``over_rounds`` as text: each figure as "median (lowest..highest)"."""
+    header = ["path", "concurrency", "rounds", *(name for name, _ in ACROSS_ROUNDS)]
+    body = []
+    for row in summary:
+        cells = [row["path"], str(row["concurrency"]), str(row["rounds"])]
+        for name, spec in ACROSS_ROUNDS:
+            value = row[name]
+            if value is None:
+                cells.append("-")
+            else:
+                mid, low, high = (spec.format(v) for v in value)
+                cells.append(f"{mid} ({low}..{high})")
+        body.append(cells)
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+    return "\n".join(lines)
+
+
 def describe_run(config: OverheadConfig) -> str:
     """What the table was measured on: the run's shape and the machine's load when it ended."""
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "-"
@@ -467,4 +614,5 @@ def as_json(config: OverheadConfig, rows: list[dict[str, Any]]) -> dict[str, Any
         "config": asdict(config),
         "machine": describe_run(config),
         "results": rows,
+        "over_rounds": over_rounds(rows),
     }

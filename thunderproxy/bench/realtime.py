@@ -139,8 +139,10 @@ async def start_child(
     listening: re.Pattern[bytes],
     *,
     start_timeout: float = START_TIMEOUT_S,
+    url: str | None = None,
 ) -> Child:
-    """Start a process and wait (up to ``start_timeout`` s) for the line saying where it listens."""
+    """Start a process and wait (up to ``start_timeout`` s) for the line saying where it listens
+    (``listening``'s first group), or, given ``url``, for the line saying it does."""
     process = await trio.lowlevel.open_process(
         list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
@@ -165,7 +167,7 @@ async def start_child(
         with trio.CancelScope(shield=True):
             await process.wait()
         raise
-    child = Child(name, process, match.group(1).decode(), output)
+    child = Child(name, process, url or match.group(1).decode(), output)
     nursery.start_soon(_keep_reading, child)
     return child
 
