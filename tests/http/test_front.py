@@ -415,7 +415,7 @@ async def test_an_app_that_starts_an_answer_and_returns_still_sends_its_head() -
 
 async def test_a_body_through_the_writer_is_the_body_through_messages() -> None:
     """The front offers the relay a body writer (``BODY_WRITER``); what it writes is byte for
-    byte what the same chunks sent as ASGI messages write, the head with the first chunk."""
+    byte what the same chunks sent as ASGI messages write."""
     from thunderproxy.http.fastpath import BODY_WRITER
 
     chunks = [b"data: one\n\n", b"", b"data: two\r\n\r\n", b"x" * 70_000]
@@ -447,3 +447,34 @@ async def test_a_body_through_the_writer_is_the_body_through_messages() -> None:
 
     assert without_date(by_writer) == without_date(by_messages)
     assert responses(by_writer, 1)[0][2] == b"".join(chunks)
+
+
+async def test_a_streamed_answers_head_reaches_the_client_before_its_first_chunk() -> None:
+    """The head of a streamed answer goes out when the app starts it: a client reads it while
+    the backend still works on the first token, not after it, in its time to first token."""
+    first_chunk = trio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+            return
+        await receive()
+        head = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await first_chunk.wait()
+        await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": False})
+
+    async with front_alone(app) as url:
+        stream = await trio.open_tcp_stream(*address(url))
+        async with stream:
+            await stream.send_all(post(CHAT, BODY))
+            seen = b""
+            with trio.fail_after(10):
+                while b"\r\n\r\n" not in seen:
+                    seen += await stream.receive_some()
+                assert seen.startswith(b"HTTP/1.1 200 ")
+                first_chunk.set()
+                while not seen.endswith(b"0\r\n\r\n"):
+                    seen += await stream.receive_some()
+    ((status, headers, body),) = responses(seen, 1)
+    assert (status, headers["content-type"], body) == (200, "text/event-stream", b"data: one\n\n")

@@ -408,6 +408,12 @@ class Connection:
             return
         if message["type"] == "http.response.start" and not self.started:
             self._start(message)
+            if self.chunked:
+                # A streamed answer's head goes out at once, as Hypercorn sends it: the client
+                # reads it while the backend works on the first token. Held for the first
+                # chunk, it was read after that token, and counted in the client's TTFT.
+                head, self.head = self.head, b""
+                await self._write(head)
         elif message["type"] == "http.response.body" and self.started:
             conn = self.h11
             out = self.head + (conn.send(h11.Data(data=bytes(message.get("body", b"")))) or b"")
@@ -434,7 +440,8 @@ class Connection:
             await self._write(out)
 
     def _start(self, message: dict[str, Any]) -> None:
-        """The response head, as Hypercorn writes it; sent with the first body."""
+        """The response head, as Hypercorn writes it: sent with the whole body of an answer
+        of known length, at once for a streamed one."""
         self.started = True
         status = int(message["status"])
         headers = [(bytes(n).strip(), bytes(v).strip()) for n, v in message.get("headers", [])]
