@@ -223,6 +223,12 @@ class PolicyConfig:
         "than the engine takes to prefill a full cache, nothing after).",
         choices=("decay", "break_even"),
     )
+    return_evidence: bool = setting(
+        True,
+        "tr with --hold auto: programs are held back on a backend only once at least half of "
+        "the programs whose call ended there came back within the horizon (nothing is held "
+        "before the first return); off: holding starts at once.",
+    )
     resume_protection_s: float = setting(
         30.0 * SECONDS,
         "tr: seconds a force-resumed program is protected from being paused again.",

@@ -49,10 +49,11 @@ async def test_the_tier_reaches_the_samples_and_the_decision_log(tmp_path: Path)
                 tiered = [
                     row
                     for row in query(db, "select detail from decisions where action = 'admit'")
-                    if row["detail"] is not None
+                    if row["detail"] is not None and "tier" in json.loads(row["detail"])
                 ]
     detail = json.loads(str(tiered[0]["detail"]))
-    assert detail == {"tier": "gpu", "gpu_tokens": 16_000}  # a small prompt fits the GPU
+    # (Beside the hold ledger's figures, where tr admits without holding: few_returns.)
+    assert (detail["tier"], detail["gpu_tokens"]) == ("gpu", 16_000)  # a small prompt fits
     samples = query(
         db,
         "select cpu_capacity_tokens, offload_load_bytes_total from backend_samples "

@@ -32,6 +32,7 @@ TR = {
     "metrics_interval": 0.1,
     "monitor_interval": 0.05,
     "acting_half_life": 0.0,  # the finished hog keeps its claim: the newcomer must queue
+    "return_evidence": False,  # ... though the hog never came back
     "pause_cooldown": 0.0,
     "resume_cooldown": 0.0,
 }

@@ -89,6 +89,9 @@ CFG = PolicyConfig(
     max_wait_s=20,
     resume_protection_s=10,
     idle_lease_s=300,
+    # tr holds from the first call: these tests are about holding, not about whether
+    # programs come back for it (test_returns.py).
+    return_evidence=False,
 )
 
 

@@ -136,6 +136,9 @@ class TrPolicy(DefaultPolicy):
         if not self.config.gate_returns or program.backend is None:
             return None
         backend = views.backend(program.backend)
+        if not backend.hold:
+            # on_return lets it through without the programs' views (policy.on_return).
+            return policy.on_return(program, backend, (), self.config, now)
         bound = views.bound(backend)
         if bound is not None:
             fits = policy.fits_on_return(program, backend, bound, self.config, now)

@@ -88,6 +88,9 @@ class BackendView:
     gpu_tokens: int | None = None
     #: The engine's fastest prefill per uncached token lately (costs.py; None: not measured).
     prefill_s_per_token: float | None = None
+    #: The rule a call let through without holding is logged under: ``hold_does_not_pay``
+    #: (measured), or ``few_returns`` (fewer than half the programs come back: costs.py).
+    unheld_rule: str = "hold_does_not_pay"
 
 
 @dataclass(frozen=True)
@@ -337,7 +340,7 @@ def admit(
         # Holding newcomers back costs them more than the recompute it saves (costs.py): the
         # engine's own queue serves them as default would.
         return _decision(
-            Action.ADMIT, p, "hold_does_not_pay", b, cfg, now, used, detail=dict(b.hold_inputs)
+            Action.ADMIT, p, b.unheld_rule, b, cfg, now, used, detail=dict(b.hold_inputs)
         )
     waiting = [q for q in programs if q.waiting_since is not None and q.program_id != p.program_id]
     if waiting:
@@ -364,24 +367,26 @@ def on_return(
     the backend waits like a paused one (its wait counts from now, so it is served in order).
     """
     cap = limit(b, cfg, fill=1.0)
+    if cap is not None and p.protected_until <= now and not b.hold:
+        # Not holding here: the call goes out, and the others' claims are not summed (an
+        # admitted return is not logged, and the sum costs every program's view).
+        return _decision(
+            Action.ADMIT,
+            p,
+            b.unheld_rule,
+            b,
+            cfg,
+            now,
+            None,
+            cap=cap,
+            detail=dict(b.hold_inputs),
+        )
     others = [q for q in programs if q.program_id != p.program_id]
     used = used_tokens(b, others, cfg, now)
     if cap is None:
         return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, used, cap=cap)
     if p.protected_until > now:
         return _decision(Action.ADMIT, p, "protected", b, cfg, now, used, cap=cap)
-    if not b.hold:
-        return _decision(
-            Action.ADMIT,
-            p,
-            "hold_does_not_pay",
-            b,
-            cfg,
-            now,
-            used,
-            cap=cap,
-            detail=dict(b.hold_inputs),
-        )
     if used + need(p, b, used, cfg) <= cap:
         return _decision(Action.ADMIT, p, "fits", b, cfg, now, used, cap=cap)
     return _decision(Action.PAUSE, p, "no_room_on_return", b, cfg, now, used, cap=cap)
@@ -561,7 +566,7 @@ def resume(
                 _decision(
                     Action.RESUME,
                     p,
-                    "hold_does_not_pay",
+                    own.unheld_rule,
                     own,
                     cfg,
                     now,

@@ -80,6 +80,11 @@ class ViewSource:
             if capacity is not None:
                 schedule.capacity_tokens = capacity
             hold, inputs = self.holding(schedule)
+            # Not holding because too few programs come back, or because it was measured not
+            # to pay: the decisions say which.
+            ledger = schedule.hold
+            unseen = self.config.return_evidence and ledger.holding and not ledger.seen_returns
+            unheld = "few_returns" if unseen else "hold_does_not_pay"
             gate = tier_gate(
                 schedule.capacity_tokens, schedule.tiers, schedule.capacity.factor, self.config
             )
@@ -95,6 +100,7 @@ class ViewSource:
                     others_tokens=0 if self.others is None else self.others(node.url),
                     hold=hold,
                     hold_inputs=inputs,
+                    unheld_rule=unheld,
                     gpu_tokens=schedule.capacity_tokens if gate.spill_tokens else None,
                     prefill_s_per_token=schedule.hold.prefill_s_per_token,
                 )
@@ -108,7 +114,11 @@ class ViewSource:
         mode = self.config.hold
         if mode == "auto":
             shared = self.shared is not None and self.shared()
-            return holds(schedule.hold.holding, shared), schedule.hold.inputs()
+            ledger = schedule.hold
+            # Holding keeps caches for programs that come back: until most idle programs are
+            # seen back on this backend, it has little to keep (costs.HoldLedger.seen_returns).
+            held = ledger.holding and (ledger.seen_returns or not self.config.return_evidence)
+            return holds(held, shared), ledger.inputs()
         return mode == "always", {}
 
     def used_by_backend(self, now: float) -> dict[str, int]:
