@@ -543,12 +543,17 @@ def table(rows: list[dict[str, Any]]) -> str:
             value = row.get(name)
             cells.append("-" if value is None else spec.format(value))
         body.append(cells)
-    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+    lines = aligned(header, body)
     skipped = {row["path"]: row["skipped"] for row in rows if row.get("skipped") is not None}
     lines += [f"{path}: {reason}" for path, reason in skipped.items()]
     return "\n".join(lines)
+
+
+def aligned(header: list[str], body: list[list[str]]) -> list[str]:
+    """Rows of text cells as lines, each column right-aligned to its widest cell."""
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    return lines + ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in body]
 
 
 #: The figures ``over_rounds`` sums up, each as its median and range over the rounds.
@@ -591,10 +596,7 @@ def rounds_table(summary: list[dict[str, Any]]) -> str:
                 mid, low, high = (spec.format(v) for v in value)
                 cells.append(f"{mid} ({low}..{high})")
         body.append(cells)
-    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in body]
-    return "\n".join(lines)
+    return "\n".join(aligned(header, body))
 
 
 def describe_run(config: OverheadConfig) -> str:
