@@ -105,3 +105,18 @@ async def test_one_call_programs_never_start_holding(
         ledger = harness.scheduler.schedule_of(B0).hold
         assert ledger.returned > 0
         assert not ledger.seen_returns
+
+
+async def test_calls_let_through_for_want_of_returns_do_not_teach_the_ledger_to_stop(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # First calls let through before any program came back cost nothing, held or not: they
+    # are not learnt as the cost of not holding (which would make it look free, and stop
+    # holding once MIN_CALLS_OFF of them were seen).
+    async with open_harness(CFG) as harness:
+        for n in range(costs.MIN_CALLS_OFF + 4):
+            await harness.step(f"first{n}", 100)
+        ledger = harness.scheduler.schedule_of(B0).hold
+        assert not ledger.seen_returns
+        assert ledger.off.n == 0
+        assert ledger.holding

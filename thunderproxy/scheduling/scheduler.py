@@ -479,7 +479,13 @@ class Scheduler:
             ledger = ledger.observe_prefill(
                 usage.prompt_tokens - (usage.cached_tokens or 0), first_token_at - lease.sent_at
             )
-        if usage.cached_tokens is not None or not lease.reuse_tokens:
+        # A call let through only because too few programs had come back (the ledger itself
+        # held: views.ViewSource.holding) is not what not holding costs: most such calls are
+        # first calls, which cost nothing either way. Learnt as calls without holding, the 64
+        # first calls of 64 agents made not holding look free, and holding stopped 239 s in
+        # on the SWE-agent trace, where holding pays.
+        learns = lease.holding or not ledger.holding
+        if learns and (usage.cached_tokens is not None or not lease.reuse_tokens):
             ledger = ledger.observe_call(
                 waited_s=lease.sent_at - lease.arrived_at,
                 in_flight=lease.busy,
