@@ -19,31 +19,16 @@ import trio.testing
 
 from tests.admission.conftest import RedisServer
 from tests.admission.test_claims import Claimant, instance
-from tests.scheduling.test_scheduler import begin, end, snapshot
+from tests.scheduling.test_scheduler import CFG, Harness, begin, end, open_harness
 from thunderproxy.admission.shared import SharedBackends
-from thunderproxy.audit import AuditLog, DecisionRecord
-from thunderproxy.audit.records import AuditRecord, TransitionRecord
-from thunderproxy.backends import open_backend_pool
-from thunderproxy.programs import ProgramRegistry, ProgramStatus, StepUsage
-from thunderproxy.scheduling import Scheduler, TrPolicy, claims
+from thunderproxy.programs import ProgramStatus, StepUsage
+from thunderproxy.scheduling import Scheduler, claims
 from thunderproxy.scheduling.costs import HoldLedger
 from thunderproxy.scheduling.policy import BackendView, PolicyConfig, ProgramView
 from thunderproxy.scheduling.scheduler import StepLease
 
 B0 = "http://b0"
 KV = 10_000
-CFG = PolicyConfig(
-    decode_buffer=0,
-    pause_cooldown_s=0,
-    resume_cooldown_s=0,
-    acting_half_life_s=0,  # an idle program claims its tokens whole
-    target_fill=1.0,
-    max_wait_s=20,
-    resume_protection_s=10,
-    idle_lease_s=300,
-)
-
-
 # -- the rule, pure ------------------------------------------------------------------------------
 
 
@@ -103,19 +88,15 @@ async def test_redis_grants_an_alone_claim_unchecked_only_while_no_other_instanc
 
 @dataclass
 class Instance:
-    scheduler: Scheduler
+    harness: Harness
     shared: SharedBackends
-    receive: trio.MemoryReceiveChannel[AuditRecord]
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.harness.scheduler
 
     def decisions(self) -> list[tuple[str, str, str]]:
-        out = []
-        while True:
-            try:
-                r = self.receive.receive_nowait()
-            except trio.WouldBlock:
-                return out
-            if isinstance(r, DecisionRecord):
-                out.append((r.action, r.program_id, r.rule))
+        return self.harness.decisions()
 
     async def publish(self) -> None:
         """Write this instance's claims and read the others' (what a beat does)."""
@@ -129,24 +110,17 @@ class Instance:
 async def open_instance(redis: str, name: str, *, holding: bool) -> AsyncIterator[Instance]:
     """A tr scheduler over B0 sharing its claims through ``redis``, its ledger deciding
     ``holding``."""
-    send, receive = trio.open_memory_channel[AuditRecord](10_000)
     # A long heartbeat: with the clock standing still no beat comes anyway.
     shared = SharedBackends(redis, name, heartbeat_s=60.0)
-    async with open_backend_pool([B0]) as pool, trio.open_nursery() as nursery:
-        pool.get(B0).snapshot = snapshot(KV)  # type: ignore[union-attr]
-        scheduler = Scheduler(
-            policy=TrPolicy(CFG),
-            registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
-            pool=pool,
-            audit=AuditLog(send, run_id=1),
-            other_tokens=shared.others,
-            affinity=shared,
-            claims=shared,
-        )
+    async with (
+        open_harness(CFG, capacity=KV, shared=shared) as harness,
+        trio.open_nursery() as nursery,
+    ):
+        scheduler = harness.scheduler
         scheduler.schedule_of(B0).hold = HoldLedger(holding=holding)
         offset = time.time() - trio.current_time()  # Unix time, as every instance beats with
         await nursery.start(shared.serve, offset, scheduler.used_by_backend)
-        yield Instance(scheduler, shared, receive)
+        yield Instance(harness, shared)
         nursery.cancel_scope.cancel()
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import trio
 
+from thunderproxy.admission.shared import SharedBackends
 from thunderproxy.audit import AuditLog, DecisionRecord
 from thunderproxy.audit.records import AuditRecord, TransitionRecord
 from thunderproxy.backends import BackendPool, EngineSnapshot, open_backend_pool
@@ -97,10 +98,10 @@ CFG = PolicyConfig(
 
 @asynccontextmanager
 async def open_harness(
-    cfg: PolicyConfig = CFG, *, capacity: int = 10_000
+    cfg: PolicyConfig = CFG, *, capacity: int = 10_000, shared: SharedBackends | None = None
 ) -> AsyncIterator[Harness]:
     """A tr scheduler with ``cfg`` over one backend of ``capacity`` KV tokens, and its
-    records."""
+    records; ``shared``: the claims and placements it shares with other instances."""
     send, receive = trio.open_memory_channel[AuditRecord](100_000)
     async with open_backend_pool([B0]) as pool:
         pool.get(B0).snapshot = snapshot(capacity)  # type: ignore[union-attr]
@@ -109,6 +110,9 @@ async def open_harness(
             registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
             pool=pool,
             audit=AuditLog(send, run_id=1),
+            other_tokens=None if shared is None else shared.others,
+            affinity=shared,
+            claims=shared,
         )
         yield Harness(scheduler, pool, receive)
 
