@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sqlite3
 import subprocess
 from collections.abc import AsyncIterator, Sequence
@@ -31,6 +32,20 @@ settings.register_profile(
     "thunderproxy", deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("thunderproxy")
+
+
+def apt_install(*packages: str, timeout_s: float = 900) -> bool:
+    """Install Debian ``packages`` for a test that needs them (as CI runs: root, apt-get);
+    False where that is impossible, and the test skips saying so."""
+    apt = shutil.which("apt-get")
+    if apt is None or os.geteuid() != 0:
+        return False
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for argv in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", *packages]):
+        done = subprocess.run(argv, env=env, capture_output=True, check=False, timeout=timeout_s)
+        if done.returncode != 0:
+            return False
+    return True
 
 
 @asynccontextmanager

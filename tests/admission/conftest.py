@@ -5,33 +5,22 @@ be installed."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import apt_install
 from thunderproxy.bench.redisserver import RedisServer, free_port
 
 __all__ = ["RedisServer", "free_port"]
 
 
-def _redis_binary() -> str | None:
-    found = shutil.which("redis-server")
-    if found is not None:
-        return found
-    apt = shutil.which("apt-get")
-    if apt is None:
-        return None
-    for argv in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", "redis-server"]):
-        if subprocess.run(argv, capture_output=True, check=False, timeout=600).returncode != 0:
-            return None
-    return shutil.which("redis-server")
-
-
 @pytest.fixture(scope="session")
 def redis_binary() -> str:
-    binary = _redis_binary()
+    binary = shutil.which("redis-server")
+    if binary is None and apt_install("redis-server", timeout_s=600):
+        binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed and apt-get could not install it")
     return binary

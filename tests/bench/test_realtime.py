@@ -6,7 +6,6 @@ Slow (tens of seconds each), so marked ``slow``: run with ``pytest -m slow tests
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import socket
 import sqlite3
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 import trio
 
 from tests.bench.synthetic import write_thunderagent
+from tests.conftest import apt_install
 from thunderproxy.bench import overhead
 from thunderproxy.bench.config import BenchConfig
 from thunderproxy.bench.demo import DemoConfig, run_demo
@@ -140,10 +140,7 @@ async def test_overhead_cells_measure_latency_and_proxy_cpu() -> None:
 @pytest.fixture(scope="session")
 def nginx_installed() -> None:
     if overhead.nginx_command() is None:
-        apt = shutil.which("apt-get")
-        for argv in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", "nginx-light"]):
-            if apt is None or subprocess.run(argv, capture_output=True, check=False).returncode:
-                break
+        apt_install("nginx-light")
     if overhead.nginx_command() is None:
         pytest.skip("nginx is not installed and apt-get could not install it")
 

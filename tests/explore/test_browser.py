@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +17,7 @@ from urllib.parse import urlencode
 import pytest
 import trio
 
+from tests.conftest import apt_install
 from tests.explore.scenario import History
 from tests.explore.test_standalone import LISTENING, ROOT, start
 from tests.fakebackend import FakeBackend, serve_fake_backend
@@ -41,22 +41,11 @@ CHROMIUM_FLAGS = [
 pytestmark = pytest.mark.browser
 
 
-def _install_chromium() -> str | None:
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return None
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "chromium", "chromium-driver"],
-    ):
-        if subprocess.run(argv, env=env, capture_output=True, timeout=900).returncode != 0:
-            return None
-    return shutil.which("chromium")
-
-
 @pytest.fixture(scope="session")
 def chromium() -> str:
-    found = shutil.which("chromium") or _install_chromium()
+    found = shutil.which("chromium")
+    if found is None and apt_install("chromium", "chromium-driver"):
+        found = shutil.which("chromium")
     if found is None:
         pytest.skip("Chromium is not installed and cannot be installed here (needs root + apt)")
     return found
