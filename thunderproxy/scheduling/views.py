@@ -82,9 +82,7 @@ class ViewSource:
             hold, inputs = self.holding(schedule)
             # Not holding because too few programs come back, or because it was measured not
             # to pay: the decisions say which.
-            ledger = schedule.hold
-            unseen = self.config.return_evidence and ledger.holding and not ledger.seen_returns
-            unheld = "few_returns" if unseen else "hold_does_not_pay"
+            unheld = "few_returns" if self.awaiting_returns(schedule) else "hold_does_not_pay"
             gate = tier_gate(
                 schedule.capacity_tokens, schedule.tiers, schedule.capacity.factor, self.config
             )
@@ -114,12 +112,16 @@ class ViewSource:
         mode = self.config.hold
         if mode == "auto":
             shared = self.shared is not None and self.shared()
-            ledger = schedule.hold
-            # Holding keeps caches for programs that come back: until most idle programs are
-            # seen back on this backend, it has little to keep (costs.HoldLedger.seen_returns).
-            held = ledger.holding and (ledger.seen_returns or not self.config.return_evidence)
-            return holds(held, shared), ledger.inputs()
+            held = schedule.hold.holding and not self.awaiting_returns(schedule)
+            return holds(held, shared), schedule.hold.inputs()
         return mode == "always", {}
+
+    def awaiting_returns(self, schedule: BackendSchedule) -> bool:
+        """Whether the ledger holds on a backend but too few programs came back there yet.
+        Holding keeps caches for programs that come back: until most idle programs are seen
+        back, it has little to keep (costs.HoldLedger.seen_returns, ``--return-evidence``)."""
+        ledger = schedule.hold
+        return self.config.return_evidence and ledger.holding and not ledger.seen_returns
 
     def used_by_backend(self, now: float) -> dict[str, int]:
         """The KV tokens this instance's programs claim on each backend at ``now``, as tr's
