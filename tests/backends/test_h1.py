@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thunderproxy.backends.base import UpstreamRequest
-from thunderproxy.backends.h1 import ChunkedDecoder, H1Pool
+from thunderproxy.backends.h1 import ChunkedDecoder, Connection, H1Pool
 from thunderproxy.errors import BackendProtocolError, BackendUnavailable
 
 CHUNKED = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\nx-trailer: 1\r\n\r\n"
@@ -252,3 +252,51 @@ async def test_a_large_body_reaches_the_backend_whole_after_its_head() -> None:
             assert await response.aread() == b"ok"
         assert received == [content]
         pool.close()
+
+
+async def test_a_request_with_a_free_slot_and_an_idle_connection_goes_out_without_yielding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every trip through trio's scheduler before the request's write puts the call behind each
+    # task ready at that moment: at 32 streams, about half a millisecond of other streams'
+    # chunks per trip (docs/BENCHMARKS.md). Counted: the sending task's steps until the write.
+    async def backend(stream: trio.SocketStream) -> None:
+        while await read_request(stream) is not None:
+            await stream.send_all(ANSWER + b"2\r\nok\r\n0\r\n\r\n")
+
+    me = trio.lowlevel.current_task()
+    steps = StepCounter(me)
+    steps_at_write: list[int] = []
+    send_all = Connection.send_all
+
+    async def watched_send_all(self: Connection, *parts: bytes) -> None:
+        steps_at_write.append(steps.steps)
+        await send_all(self, *parts)
+
+    monkeypatch.setattr(Connection, "send_all", watched_send_all)
+    async with serving(backend) as port:
+        pool = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=5, max_connections=1)
+        request = UpstreamRequest("POST", "/v1/x", [], b"{}")
+        with trio.fail_after(10):
+            first = await pool.send(request)  # opens the connection: that waits, as it must
+            assert await first.aread() == b"ok"
+            trio.lowlevel.add_instrument(steps)
+            try:
+                second = await pool.send(request)
+            finally:
+                trio.lowlevel.remove_instrument(steps)
+            assert await second.aread() == b"ok"
+        assert steps_at_write[1:] == [0]
+        pool.close()
+
+
+class StepCounter(trio.abc.Instrument):
+    """Counts one task's steps: each is a return from trio's scheduler."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1

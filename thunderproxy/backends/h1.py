@@ -425,7 +425,14 @@ class H1Pool:
 
     async def send(self, request: UpstreamRequest) -> H1Response:
         head = self.head(request)
-        await self._slots.acquire()
+        try:
+            # A free slot is taken without the checkpoint ``acquire`` always makes: that trip
+            # through trio's scheduler put each call behind every task ready at that moment
+            # (at 32 streams, about half a millisecond of other streams' chunks and calls'
+            # ends) before its request went out. The call waits in the head read anyway.
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self._slots.acquire()
         try:
             while True:
                 stream, reused = await self._connection()
