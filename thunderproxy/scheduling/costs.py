@@ -7,6 +7,7 @@ while their cache is still kept; and it costs the held call its whole wait. Both
 per call, in seconds of latency:
 
     cost of a call = its wait in the proxy
+                   + its wait in the engine's queue
                    + its own history it found evicted · prefill_s_per_token · in_flight
 
 - ``prefill_s_per_token``: the fastest prefill per uncached prompt token seen on the backend.
@@ -15,6 +16,11 @@ per call, in seconds of latency:
   was, measured the queue once the engine was overloaded: 28 µs per token at the start of the
   Mooncake quarter trace at 216K, up to 1,354 µs later, which made every recompute look 48
   times dearer and turned holding back on.)
+- The wait in the engine's queue is the call's time to first token less its prefill at that
+  speed, on both sides: a call that is not held, sent into a full engine, waits in its queue
+  instead of the proxy's. Charging only the proxy's wait made not holding look free on the
+  SWE-agent trace at 64 agents, where the engine is full either way: calls let through waited
+  62 to 95 s in the engine's queue, held ones 30 to 80 s in the proxy and 5 to 17 s there.
 - ``in_flight``: calls on the backend when the call goes out, those held back for it included
   (without holding they would be in flight too): a second of recompute is a second every one
   of them waits for the engine.
@@ -30,10 +36,18 @@ The ledger keeps, each learned only in its own state, the mean and variance of t
 calls made while holding (``on``) and while not (``off``), and while holding, per call, what
 not holding would have changed (``gain``): the history the call found cached, had holding not
 kept it, recomputed (counted ``ESTIMATE_MARGIN`` times: one recompute per returning call, the
-evictions that cascade unseen), less the call's wait. Switching is a test, not a threshold
-crossing: the means are exponentially weighted (about the last 64 calls) and a switch needs the
-difference to exceed ``Z`` standard errors, so noise near the threshold switches nothing, and
-each switch (pausing or resuming many programs at once) waits for evidence.
+evictions that cascade unseen), less the part of the call's wait in the proxy during which the
+engine had room for it. The rest of the wait (``displaced_s``: the seconds the backend's polls
+showed its engine full, learners.Saturation) the call would have spent in the engine's queue
+had it not been held. On the SWE-agent trace at 64 agents the engine was full for 83% of the
+polls while tr held (its running calls' KV at 0.95 or above, or calls queued in it): charged
+their whole 70 s wait, held calls looked to lose 26 s each against the recompute they kept,
+and holding stopped 565 s into the run (27.9 steps/min against 30.1 holding throughout).
+
+Switching is a test, not a threshold crossing: the means are exponentially weighted (about
+the last 64 calls) and a switch needs the difference to exceed ``Z`` standard errors, so noise
+near the threshold switches nothing, and each switch (pausing or resuming many programs at
+once) waits for evidence.
 
 - After ``MIN_CALLS`` calls, holding stops when not holding is measured cheaper (``off``
   below ``on``) or, before it has been, when ``gain`` is below zero.
@@ -169,6 +183,10 @@ class HoldLedger:
     calls_off: int = 0
     #: The fastest prefill seen, seconds per uncached token: the engine's own speed.
     prefill_s_per_token: float | None = None
+    #: Moving mean of the calls' waits in the engine's queue, and of the share of held calls'
+    #: waits the engine was seen full (for the decision log).
+    queued_s: float | None = None
+    displaced: float | None = None
 
     def observe_call(
         self,
@@ -178,22 +196,32 @@ class HoldLedger:
         reuse_tokens: int,
         missed_tokens: int,
         holding: bool,
+        first_token_s: float | None = None,
+        uncached_tokens: int = 0,
+        displaced_s: float = 0.0,
     ) -> HoldLedger:
         """A call went out after ``waited_s`` in the proxy, with ``in_flight`` other calls on
         (or held for) its backend, carrying ``reuse_tokens`` of its own history that holding
         could have kept (0 for a first call, or a program back after the horizon) of which
         ``missed_tokens`` were not in the cache; ``holding``: whether tr held programs back
-        there when it went out. Returns the ledger with its decision taken anew."""
+        there when it went out. Its first token came ``first_token_s`` after it was sent
+        (None: not seen), for ``uncached_tokens`` of prefill; ``displaced_s`` of its wait in
+        the proxy the engine was seen full (learners.Saturation). Returns the ledger with its
+        decision taken anew."""
         busy = max(1, in_flight + 1)
         rate = self.prefill_s_per_token or 0.0
         waited = max(0.0, waited_s)
         missed = min(max(0, missed_tokens), max(0, reuse_tokens))
-        cost = waited + missed * rate * busy
+        queued = self.engine_wait(first_token_s, uncached_tokens)
+        cost = waited + queued + missed * rate * busy
         held = holding or waited >= HELD_S
         reuse = self.reuse_tokens
         if reuse_tokens > 0:
             reuse = _ewma(reuse, reuse_tokens)
         kept = (max(0, reuse_tokens) - missed) * rate * busy
+        # Of a held call's wait, what the engine would have made it wait anyway is no cost of
+        # holding: released into a full engine, the call waits in its queue instead.
+        lost = waited - min(waited, max(0.0, displaced_s))
         ledger = replace(
             self,
             calls=self.calls + 1,
@@ -201,10 +229,21 @@ class HoldLedger:
             in_flight=_ewma(self.in_flight, busy),
             on=self.on.add(cost) if held else self.on,
             off=self.off if held else self.off.add(cost),
-            gain=self.gain.add(ESTIMATE_MARGIN * kept - waited) if held else self.gain,
+            gain=self.gain.add(ESTIMATE_MARGIN * kept - lost) if held else self.gain,
             calls_off=self.calls_off + (not self.holding),
+            queued_s=_ewma(self.queued_s, queued),
+            displaced=_ewma(self.displaced, 1 - lost / waited)
+            if waited >= HELD_S
+            else self.displaced,
         )
         return ledger._decide()
+
+    def engine_wait(self, first_token_s: float | None, uncached_tokens: int) -> float:
+        """A call's wait in the engine's queue: its time to first token less its prefill at
+        the engine's own speed (0 where either is unknown)."""
+        if first_token_s is None or self.prefill_s_per_token is None:
+            return 0.0
+        return max(0.0, first_token_s - max(0, uncached_tokens) * self.prefill_s_per_token)
 
     def _decide(self) -> HoldLedger:
         if self.holding:
@@ -297,4 +336,6 @@ class HoldLedger:
             "cost_off_se_s": r(math.sqrt(self.off.se2) if self.off.n else None),
             "gain_s": r(self.gain.mean if self.gain.n else None),
             "gain_se_s": r(math.sqrt(self.gain.se2) if self.gain.n else None),
+            "engine_queue_s": r(self.queued_s),
+            "displaced": r(self.displaced),
         }
