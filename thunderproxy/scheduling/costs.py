@@ -39,10 +39,11 @@ kept it, recomputed (counted ``ESTIMATE_MARGIN`` times: one recompute per return
 evictions that cascade unseen), less the part of the call's wait in the proxy during which the
 engine had room for it. The rest of the wait (``displaced_s``: the seconds the backend's polls
 showed its engine full, learners.Saturation) the call would have spent in the engine's queue
-had it not been held. On the SWE-agent trace at 64 agents the engine was full for 83% of the
-polls while tr held (its running calls' KV at 0.95 or above, or calls queued in it): charged
-their whole 70 s wait, held calls looked to lose 26 s each against the recompute they kept,
-and holding stopped 565 s into the run (27.9 steps/min against 30.1 holding throughout).
+had it not been held. On the SWE-agent trace at 64 agents the engine was full (its running
+calls' KV at 0.95 or above, or calls queued in it) for 64% of the held calls' waits in the
+first 565 s: charged their whole wait, held calls looked to lose 26 s each against the
+recompute they kept, and holding stopped 565 s into the run (27.9 steps/min against 30.1
+holding throughout). At 32 agents, where tr keeps room in the engine, it was full for 10%.
 
 Switching is a test, not a threshold crossing: the means are exponentially weighted (about
 the last 64 calls) and a switch needs the difference to exceed ``Z`` standard errors, so noise
