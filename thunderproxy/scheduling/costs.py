@@ -3,24 +3,35 @@ frozen value with ``observe_*`` methods that return the next one (no clock, no I
 
 tr holds a call back (a newcomer queued, a returning program paused) so that the programs
 already running keep their KV cache. That saves recompute only when those programs come back
-while their cache is still kept; and it costs the held call its whole wait. Both are measured
-per call, in seconds of latency:
+while their cache is still kept; and it costs the held call its wait, where the engine had
+room for it. Both are measured per call, in seconds of latency:
 
-    cost of a call = its wait in the proxy
-                   + its wait in the engine's queue
+    cost of a call = its wait in the proxy while the engine had room
                    + its own history it found evicted · prefill_s_per_token · in_flight
 
+- The wait while the engine had room: a call's wait in the proxy less ``displaced_s``, the
+  seconds of it the backend's polls showed the engine full (learners.Saturation: calls queued
+  in it, or its KV use, prefix cache left out, at 0.95 or above). Released into a full engine,
+  a held call waits in the engine's queue instead; only where the engine had room does holding
+  make it wait. On the SWE-agent trace at 64 agents the engine was full for 64% of the held
+  calls' waits in the first 565 s: charged their whole wait, held calls looked to lose 26 s
+  each against the recompute they kept, holding stopped 565 s into the run (27.9 steps/min
+  against 30.1 holding throughout), and calls then waited 62 to 95 s in the engine's queue
+  instead of the proxy's. At 32 agents, where tr keeps room in the engine, it was full for 10%
+  of the waits.
+- A call's wait in the engine's queue (its time to first token less its prefill at
+  ``prefill_s_per_token``: ``engine_wait``, logged as ``engine_queue_s``) is no cost of not
+  holding, for the same reason: held, the call would have waited in the proxy. Charged on both
+  sides, it made not holding look dear where it was not: on the Mooncake quarter trace at 216K
+  (with ``--no-return-evidence``) the ledger stopped holding 64 s in, then weighed the calls
+  without holding, 15 s in the engine's queue as the hour's load built up, against the held
+  calls of the first minute, and held again (median call 164.4 s against 142.7 s).
 - ``prefill_s_per_token``: the fastest prefill per uncached prompt token seen on the backend.
   A call's time to first token is its prefill plus its wait in the engine's queue; the engine's
   speed does not change with load, its queue does. (The fastest of the last 64 calls, as it
   was, measured the queue once the engine was overloaded: 28 µs per token at the start of the
   Mooncake quarter trace at 216K, up to 1,354 µs later, which made every recompute look 48
   times dearer and turned holding back on.)
-- The wait in the engine's queue is the call's time to first token less its prefill at that
-  speed, on both sides: a call that is not held, sent into a full engine, waits in its queue
-  instead of the proxy's. Charging only the proxy's wait made not holding look free on the
-  SWE-agent trace at 64 agents, where the engine is full either way: calls let through waited
-  62 to 95 s in the engine's queue, held ones 30 to 80 s in the proxy and 5 to 17 s there.
 - ``in_flight``: calls on the backend when the call goes out, those held back for it included
   (without holding they would be in flight too): a second of recompute is a second every one
   of them waits for the engine.
@@ -36,14 +47,7 @@ The ledger keeps, each learned only in its own state, the mean and variance of t
 calls made while holding (``on``) and while not (``off``), and while holding, per call, what
 not holding would have changed (``gain``): the history the call found cached, had holding not
 kept it, recomputed (counted ``ESTIMATE_MARGIN`` times: one recompute per returning call, the
-evictions that cascade unseen), less the part of the call's wait in the proxy during which the
-engine had room for it. The rest of the wait (``displaced_s``: the seconds the backend's polls
-showed its engine full, learners.Saturation) the call would have spent in the engine's queue
-had it not been held. On the SWE-agent trace at 64 agents the engine was full (its running
-calls' KV at 0.95 or above, or calls queued in it) for 64% of the held calls' waits in the
-first 565 s: charged their whole wait, held calls looked to lose 26 s each against the
-recompute they kept, and holding stopped 565 s into the run (27.9 steps/min against 30.1
-holding throughout). At 32 agents, where tr keeps room in the engine, it was full for 10%.
+evictions that cascade unseen), less the call's wait while the engine had room.
 
 Switching is a test, not a threshold crossing: the means are exponentially weighted (about
 the last 64 calls) and a switch needs the difference to exceed ``Z`` standard errors, so noise
@@ -213,16 +217,19 @@ class HoldLedger:
         rate = self.prefill_s_per_token or 0.0
         waited = max(0.0, waited_s)
         missed = min(max(0, missed_tokens), max(0, reuse_tokens))
+        # Of a held call's wait, what the engine would have made it wait anyway is no cost of
+        # holding: released into a full engine, the call waits in its queue instead. For the
+        # same reason a call's wait in the engine's queue is no cost of not holding: held, it
+        # would have waited in the proxy (measured at another time, under another load, the
+        # engine's queue made not holding look dear where it was not: module docstring).
+        lost = waited - min(waited, max(0.0, displaced_s))
         queued = self.engine_wait(first_token_s, uncached_tokens)
-        cost = waited + queued + missed * rate * busy
+        cost = lost + missed * rate * busy
         held = holding or waited >= HELD_S
         reuse = self.reuse_tokens
         if reuse_tokens > 0:
             reuse = _ewma(reuse, reuse_tokens)
         kept = (max(0, reuse_tokens) - missed) * rate * busy
-        # Of a held call's wait, what the engine would have made it wait anyway is no cost of
-        # holding: released into a full engine, the call waits in its queue instead.
-        lost = waited - min(waited, max(0.0, displaced_s))
         ledger = replace(
             self,
             calls=self.calls + 1,
