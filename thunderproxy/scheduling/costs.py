@@ -3,12 +3,29 @@ frozen value with ``observe_*`` methods that return the next one (no clock, no I
 
 tr holds a call back (a newcomer queued, a returning program paused) so that the programs
 already running keep their KV cache. That saves recompute only when those programs come back
-while their cache is still kept; and it costs the held call its whole wait. Both are measured
-per call, in seconds of latency:
+while their cache is still kept; and it costs the held call its wait, where the engine had
+room for it. Both are measured per call, in seconds of latency:
 
-    cost of a call = its wait in the proxy
+    cost of a call = its wait in the proxy while the engine had room
                    + its own history it found evicted · prefill_s_per_token · in_flight
 
+- The wait while the engine had room: a call's wait in the proxy less ``displaced_s``, the
+  seconds of it the backend's polls showed the engine full (learners.Saturation: calls queued
+  in it, or its KV use, prefix cache left out, at 0.95 or above). Released into a full engine,
+  a held call waits in the engine's queue instead; only where the engine had room does holding
+  make it wait. On the SWE-agent trace at 64 agents the engine was full for 64% of the held
+  calls' waits in the first 565 s: charged their whole wait, held calls looked to lose 26 s
+  each against the recompute they kept, holding stopped 565 s into the run (27.9 steps/min
+  against 30.1 holding throughout), and calls then waited 62 to 95 s in the engine's queue
+  instead of the proxy's. At 32 agents, where tr keeps room in the engine, it was full for 10%
+  of the waits.
+- A call's wait in the engine's queue (its time to first token less its prefill at
+  ``prefill_s_per_token``: ``engine_wait``, logged as ``engine_queue_s``) is no cost of not
+  holding, for the same reason: held, the call would have waited in the proxy. Charged on both
+  sides, it made not holding look dear where it was not: on the Mooncake quarter trace at 216K
+  (with ``--no-return-evidence``) the ledger stopped holding 64 s in, then weighed the calls
+  without holding, 15 s in the engine's queue as the hour's load built up, against the held
+  calls of the first minute, and held again (median call 164.4 s against 142.7 s).
 - ``prefill_s_per_token``: the fastest prefill per uncached prompt token seen on the backend.
   A call's time to first token is its prefill plus its wait in the engine's queue; the engine's
   speed does not change with load, its queue does. (The fastest of the last 64 calls, as it
@@ -30,10 +47,12 @@ The ledger keeps, each learned only in its own state, the mean and variance of t
 calls made while holding (``on``) and while not (``off``), and while holding, per call, what
 not holding would have changed (``gain``): the history the call found cached, had holding not
 kept it, recomputed (counted ``ESTIMATE_MARGIN`` times: one recompute per returning call, the
-evictions that cascade unseen), less the call's wait. Switching is a test, not a threshold
-crossing: the means are exponentially weighted (about the last 64 calls) and a switch needs the
-difference to exceed ``Z`` standard errors, so noise near the threshold switches nothing, and
-each switch (pausing or resuming many programs at once) waits for evidence.
+evictions that cascade unseen), less the call's wait while the engine had room.
+
+Switching is a test, not a threshold crossing: the means are exponentially weighted (about
+the last 64 calls) and a switch needs the difference to exceed ``Z`` standard errors, so noise
+near the threshold switches nothing, and each switch (pausing or resuming many programs at
+once) waits for evidence.
 
 - After ``MIN_CALLS`` calls, holding stops when not holding is measured cheaper (``off``
   below ``on``) or, before it has been, when ``gain`` is below zero.
@@ -169,6 +188,10 @@ class HoldLedger:
     calls_off: int = 0
     #: The fastest prefill seen, seconds per uncached token: the engine's own speed.
     prefill_s_per_token: float | None = None
+    #: Moving mean of the calls' waits in the engine's queue, and of the share of held calls'
+    #: waits the engine was seen full (for the decision log).
+    queued_s: float | None = None
+    displaced: float | None = None
 
     def observe_call(
         self,
@@ -178,17 +201,30 @@ class HoldLedger:
         reuse_tokens: int,
         missed_tokens: int,
         holding: bool,
+        first_token_s: float | None = None,
+        uncached_tokens: int = 0,
+        displaced_s: float = 0.0,
     ) -> HoldLedger:
         """A call went out after ``waited_s`` in the proxy, with ``in_flight`` other calls on
         (or held for) its backend, carrying ``reuse_tokens`` of its own history that holding
         could have kept (0 for a first call, or a program back after the horizon) of which
         ``missed_tokens`` were not in the cache; ``holding``: whether tr held programs back
-        there when it went out. Returns the ledger with its decision taken anew."""
+        there when it went out. Its first token came ``first_token_s`` after it was sent
+        (None: not seen), for ``uncached_tokens`` of prefill; ``displaced_s`` of its wait in
+        the proxy the engine was seen full (learners.Saturation). Returns the ledger with its
+        decision taken anew."""
         busy = max(1, in_flight + 1)
         rate = self.prefill_s_per_token or 0.0
         waited = max(0.0, waited_s)
         missed = min(max(0, missed_tokens), max(0, reuse_tokens))
-        cost = waited + missed * rate * busy
+        # Of a held call's wait, what the engine would have made it wait anyway is no cost of
+        # holding: released into a full engine, the call waits in its queue instead. For the
+        # same reason a call's wait in the engine's queue is no cost of not holding: held, it
+        # would have waited in the proxy (measured at another time, under another load, the
+        # engine's queue made not holding look dear where it was not: module docstring).
+        lost = waited - min(waited, max(0.0, displaced_s))
+        queued = self.engine_wait(first_token_s, uncached_tokens)
+        cost = lost + missed * rate * busy
         held = holding or waited >= HELD_S
         reuse = self.reuse_tokens
         if reuse_tokens > 0:
@@ -201,10 +237,21 @@ class HoldLedger:
             in_flight=_ewma(self.in_flight, busy),
             on=self.on.add(cost) if held else self.on,
             off=self.off if held else self.off.add(cost),
-            gain=self.gain.add(ESTIMATE_MARGIN * kept - waited) if held else self.gain,
+            gain=self.gain.add(ESTIMATE_MARGIN * kept - lost) if held else self.gain,
             calls_off=self.calls_off + (not self.holding),
+            queued_s=_ewma(self.queued_s, queued),
+            displaced=_ewma(self.displaced, 1 - lost / waited)
+            if waited >= HELD_S
+            else self.displaced,
         )
         return ledger._decide()
+
+    def engine_wait(self, first_token_s: float | None, uncached_tokens: int) -> float:
+        """A call's wait in the engine's queue: its time to first token less its prefill at
+        the engine's own speed (0 where either is unknown)."""
+        if first_token_s is None or self.prefill_s_per_token is None:
+            return 0.0
+        return max(0.0, first_token_s - max(0, uncached_tokens) * self.prefill_s_per_token)
 
     def _decide(self) -> HoldLedger:
         if self.holding:
@@ -297,4 +344,6 @@ class HoldLedger:
             "cost_off_se_s": r(math.sqrt(self.off.se2) if self.off.n else None),
             "gain_s": r(self.gain.mean if self.gain.n else None),
             "gain_se_s": r(math.sqrt(self.gain.se2) if self.gain.n else None),
+            "engine_queue_s": r(self.queued_s),
+            "displaced": r(self.displaced),
         }

@@ -10,6 +10,9 @@ with an ``observe`` that returns the next one, and reads no clock and does no I/
   tokens first calls got (a first call can only hit what other programs left).
 - :class:`CapacityFactor` shrinks a backend's usable capacity when its engine preempts (the
   capacity model was too optimistic) and lets it recover while the engine does not.
+- :class:`Saturation` counts the seconds a backend's engine was seen full (its running calls'
+  KV near its capacity, or calls already queued in it): a call held in the proxy meanwhile
+  would have waited in the engine's queue instead (the hold ledger, costs.py).
 """
 
 from __future__ import annotations
@@ -125,3 +128,32 @@ class CapacityFactor:
         else:
             factor = min(1.0, self.factor + PREEMPTION_RECOVERY)
         return CapacityFactor(factor, preemptions_total)
+
+
+#: The engine's KV use (running and queued calls; its prefix cache excluded) from which it is
+#: full: less than a typical agent call's room left (20K of 432K tokens is 4.6%).
+SATURATED_KV = 0.95
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """Seconds one backend's engine was seen full, from its polls: the interval after a poll
+    that showed calls queued in the engine, or its KV use at ``SATURATED_KV`` or above, counts
+    as full until the next poll says otherwise."""
+
+    full_s: float = 0.0
+    last_at: float | None = None
+    full: bool = False
+
+    def observe(self, at: float, kv_usage: float | None, waiting: float | None) -> Saturation:
+        """A poll at ``at`` (None for what it did not report)."""
+        if self.last_at is not None and at <= self.last_at:
+            return self  # the same poll, read again at the next tick
+        full = (waiting or 0) > 0 or (kv_usage is not None and kv_usage >= SATURATED_KV)
+        return Saturation(self.seconds(at), at, full)
+
+    def seconds(self, now: float) -> float:
+        """Seconds seen full up to ``now``, the last poll's state taken to hold until then."""
+        if not self.full or self.last_at is None or now <= self.last_at:
+            return self.full_s
+        return self.full_s + (now - self.last_at)

@@ -51,6 +51,8 @@ class StepLease:
     reuse_tokens: int = 0
     busy: int = 0
     holding: bool = True
+    #: Of its wait in the proxy, the seconds its backend's engine was seen full.
+    displaced_s: float = 0.0
 
 
 class Affinity(Protocol):
@@ -191,6 +193,8 @@ class Scheduler:
         else:
             returned = self._observe_return(program, arrived_at)
             gate = self._gate_return(program, arrived_at, context_chars)
+        # Where the engine was already full when the call came, and until it goes out.
+        entered = (program.backend, self._saturated_s(program.backend))
         while True:
             # A loop, not an if: between its resume and this task running again, a program
             # could be paused anew by another task's rebalance (the policy avoids it, this
@@ -238,9 +242,16 @@ class Scheduler:
             reuse_tokens=reuse,
             busy=busy,
             holding=holding,
+            displaced_s=self._saturated_s(node.url) - entered[1] if entered[0] == node.url else 0.0,
         )
         self.rebalance(now, backends=[node.url])
         return lease
+
+    def _saturated_s(self, url: str | None) -> float:
+        """Seconds the backend's engine was seen full so far (learners.Saturation)."""
+        if url is None:
+            return 0.0
+        return self.schedule_of(url).saturation.seconds(self._now())
 
     async def _claim(
         self,
@@ -492,6 +503,9 @@ class Scheduler:
                 reuse_tokens=lease.reuse_tokens,
                 missed_tokens=max(0, lease.reuse_tokens - (usage.cached_tokens or 0)),
                 holding=lease.holding,
+                first_token_s=None if first_token_at is None else first_token_at - lease.sent_at,
+                uncached_tokens=(usage.prompt_tokens or 0) - (usage.cached_tokens or 0),
+                displaced_s=lease.displaced_s,
             )
         schedule.hold = ledger
 
@@ -576,6 +590,11 @@ class Scheduler:
             if node.last_poll_at is not None:
                 schedule = self.schedule_of(node.url)
                 schedule.tiers = schedule.tiers.observe(snapshot, node.last_poll_at)
+                schedule.saturation = schedule.saturation.observe(
+                    node.last_poll_at,
+                    None if snapshot is None else snapshot.kv_usage,
+                    None if snapshot is None else snapshot.waiting,
+                )
         self.registry.presume_ended(now)  # programs never released stop holding capacity
         for decision in self.policy.retire(self.views(), now):
             self._apply(decision, now)

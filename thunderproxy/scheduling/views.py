@@ -12,7 +12,7 @@ from ..errors import ModelNotFound, NoBackendAvailable
 from ..programs import Program, ProgramRegistry, ProgramStatus
 from .claims import holds
 from .costs import HoldLedger
-from .learners import CapacityFactor, SharedPrefix
+from .learners import CapacityFactor, Saturation, SharedPrefix
 from .placement import Candidate, choose_backend
 from .policies import Views
 from .policy import MAX_KEEP_S, BackendView, PolicyConfig, ProgramView, decay, used_tokens
@@ -34,6 +34,9 @@ class BackendSchedule:
     hold: HoldLedger = HoldLedger()
     #: The backend's KV tiers as its polls showed them (tiers.py).
     tiers: Tiers = Tiers()
+    #: How long its engine was seen full: what of a held call's wait it would have spent in the
+    #: engine's queue without holding (learners.Saturation, costs.HoldLedger).
+    saturation: Saturation = Saturation()
 
 
 class ViewSource:
