@@ -194,7 +194,7 @@ class Scheduler:
             returned = self._observe_return(program, arrived_at)
             gate = self._gate_return(program, arrived_at, context_chars)
         # Where the engine was already full when the call came, and until it goes out.
-        entered = (program.backend, self._saturated_s(program.backend))
+        entered_on, full_s_before = program.backend, self._saturated_s(program.backend)
         while True:
             # A loop, not an if: between its resume and this task running again, a program
             # could be paused anew by another task's rebalance (the policy avoids it, this
@@ -242,7 +242,9 @@ class Scheduler:
             reuse_tokens=reuse,
             busy=busy,
             holding=holding,
-            displaced_s=self._saturated_s(node.url) - entered[1] if entered[0] == node.url else 0.0,
+            displaced_s=self._saturated_s(node.url) - full_s_before
+            if entered_on == node.url
+            else 0.0,
         )
         self.rebalance(now, backends=[node.url])
         return lease
@@ -486,10 +488,10 @@ class Scheduler:
         call's cost (its wait, and the recompute of its own history it found evicted)."""
         schedule = self.schedule_of(lease.node.url)
         ledger = schedule.hold
-        if first_token_at is not None and usage.prompt_tokens:
-            ledger = ledger.observe_prefill(
-                usage.prompt_tokens - (usage.cached_tokens or 0), first_token_at - lease.sent_at
-            )
+        first_token_s = None if first_token_at is None else first_token_at - lease.sent_at
+        uncached = (usage.prompt_tokens or 0) - (usage.cached_tokens or 0)
+        if first_token_s is not None and usage.prompt_tokens:
+            ledger = ledger.observe_prefill(uncached, first_token_s)
         # A call let through only because too few programs had come back (the ledger itself
         # held: views.ViewSource.holding) is not what not holding costs: most such calls are
         # first calls, which cost nothing either way. Learnt as calls without holding, the 64
@@ -503,8 +505,8 @@ class Scheduler:
                 reuse_tokens=lease.reuse_tokens,
                 missed_tokens=max(0, lease.reuse_tokens - (usage.cached_tokens or 0)),
                 holding=lease.holding,
-                first_token_s=None if first_token_at is None else first_token_at - lease.sent_at,
-                uncached_tokens=(usage.prompt_tokens or 0) - (usage.cached_tokens or 0),
+                first_token_s=first_token_s,
+                uncached_tokens=uncached,
                 displaced_s=lease.displaced_s,
             )
         schedule.hold = ledger
