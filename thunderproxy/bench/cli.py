@@ -39,9 +39,9 @@ def _progress_factory(enabled: bool | None) -> Any:
 @click.option("--trace", default="thunderagent", show_default=True,
               envvar="THUNDERPROXY_BENCH_TRACE",
               help="Trace file (ThunderAgent calls .jsonl, Mooncake *_trace.jsonl with its "
-              "sessions .csv beside it, or an audit .db to replay), a file name in the traces "
-              "folder ($THUNDERPROXY_TRACES, default ../shared/traces), or thunderagent, "
-              "mooncake, mooncake-synthetic.")  # fmt: skip
+              "sessions .csv beside it, or an audit .db to replay), one of the traces shipped "
+              "with the package (thunderagent, mooncake, mooncake-synthetic), or a file name "
+              "in a folder of your own ($THUNDERPROXY_TRACES).")  # fmt: skip
 @click.option("--target", "targets", default="tr", show_default=True,
               help="Comma list of direct, default, tr, oracle, or an OpenAI-compatible proxy "
               "URL already pointed at the bench's backends (see --backend-ports).")  # fmt: skip

@@ -1,68 +1,29 @@
-"""Finding and reading trace files; the only file I/O of workload building.
+"""Reading traces into workloads; the only file I/O of workload building.
 
-Traces live outside the repository (``../shared/traces`` next to it, read-only); the folder can
-be moved with ``THUNDERPROXY_TRACES``. A ``--trace`` value is a path, or a bare file name looked
-up in that folder, or a short name (``thunderagent``, ``mooncake``, ``mooncake-synthetic``).
+Which file a ``--trace`` value names, and the traces that ship with the package, are
+``thunderproxy.traces``; an audit db given as ``--trace`` is read here.
 """
 
 from __future__ import annotations
 
-import csv
-import json
-import os
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..traces import (
+    COMPRESSED,
+    DEFAULT_TRACE,
+    SHORT_NAMES,
+    plain_name,
+    read_csv,
+    read_jsonl,
+    resolve,
+)
 from . import workload
 from .workload import Workload
 
-TRACES_ENV = "THUNDERPROXY_TRACES"
-SHORT_NAMES = {
-    "thunderagent": "thunderagent_sweagent_glm45_calls.jsonl",
-    "mooncake": "mooncake_conversation_trace.jsonl",
-    "mooncake-conversation": "mooncake_conversation_trace.jsonl",
-    "mooncake-synthetic": "mooncake_synthetic_trace.jsonl",
-}
-DEFAULT_TRACE = "thunderagent"
-
-
-def traces_dirs() -> list[Path]:
-    """``$THUNDERPROXY_TRACES``, else ``../shared/traces`` beside the repository root: found
-    from the package in a checkout, or from the working directory when the package runs from
-    the zipapp's cache (``python3 dist/thunderproxy.pyz`` in the repository root)."""
-    configured = os.environ.get(TRACES_ENV)
-    if configured:
-        return [Path(configured)]
-    # thunderproxy/bench/traces.py -> the repository root is two folders up from the package.
-    beside_checkout = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-    return [beside_checkout, Path.cwd().parent / "shared" / "traces"]
-
-
-def resolve(trace: str) -> Path:
-    """The file a ``--trace`` value names (see the module docstring)."""
-    name = SHORT_NAMES.get(trace, trace)
-    candidates = [Path(name)]
-    if not Path(name).is_absolute():
-        candidates += [folder / name for folder in traces_dirs()]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(
-        f"Trace {trace!r} not found (looked at {', '.join(str(c) for c in candidates)}); pass "
-        f"--trace PATH or set {TRACES_ENV} to the traces folder."
-    )
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open(encoding="utf-8", newline="") as fh:
-        return list(csv.DictReader(fh))
+__all__ = ["DEFAULT_TRACE", "SHORT_NAMES", "load_workload", "read_audit_steps", "resolve"]
 
 
 def read_audit_steps(path: Path, run_id: int | None = None) -> list[dict[str, Any]]:
@@ -102,11 +63,14 @@ def _load(trace: str, *, seed: int, run_id: int | None) -> Workload:
     path = resolve(trace)
     if path.suffix in (".db", ".sqlite", ".sqlite3"):
         return workload.from_audit_steps(read_audit_steps(path, run_id), name=path.stem)
-    if path.name.startswith("mooncake_") and path.name.endswith("_trace.jsonl"):
-        sessions = path.with_name(path.name.replace("_trace.jsonl", "_sessions.csv"))
-        if not sessions.is_file():
-            raise ConfigError(f"{path.name} needs its sessions file {sessions.name} beside it.")
-        kind = path.name.removeprefix("mooncake_").removesuffix("_trace.jsonl")
+    name = plain_name(path)
+    if name.startswith("mooncake_") and name.endswith("_trace.jsonl"):
+        wanted = name.replace("_trace.jsonl", "_sessions.csv")
+        beside = [path.with_name(wanted), path.with_name(wanted + COMPRESSED)]
+        sessions = next((p for p in beside if p.is_file()), None)
+        if sessions is None:
+            raise ConfigError(f"{path.name} needs its sessions file {wanted} beside it.")
+        kind = name.removeprefix("mooncake_").removesuffix("_trace.jsonl")
         return workload.mooncake(read_jsonl(path), read_csv(sessions), name=f"mooncake-{kind}")
     rows = read_jsonl(path)
     if rows and "program_id" in rows[0] and "input_tokens" in rows[0]:

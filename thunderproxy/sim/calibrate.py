@@ -1,6 +1,6 @@
 """Replay the ThunderAgent SWE-agent runs through the engine and fit a timing profile.
 
-The trace (../shared/traces/thunderagent_sweagent_glm45_calls.jsonl) records GLM-4.5-FP8
+The trace (``--trace thunderagent``, shipped in ``thunderproxy/traces/``) records GLM-4.5-FP8
 on vLLM serving SWE-agent with 1, 4 and 32 parallel workers (runs bs1, bs4, bs32). Each
 program is replayed closed-loop on trio's MockClock (virtual time, seconds per run):
 append-only prompts (so prefix caching behaves as it did), the recorded tool gaps, and
@@ -14,9 +14,7 @@ the trace measured them (TPOT = decode time / text tokens).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import random
 import statistics
 from collections import defaultdict
@@ -27,6 +25,7 @@ import click
 import trio
 import trio.testing
 
+from ..traces import read_jsonl, resolve
 from .config import PROFILES, SimConfig
 from .engine import Engine
 
@@ -37,22 +36,16 @@ SHARED_PREFIX = 1500
 FIT_KNOBS = ("t_w_ms", "c_tok_us", "c_kv_ns", "c_prep_us", "kv_capacity_tokens")
 
 
-def traces_dir(override: str | None = None) -> Path:
-    if override:
-        return Path(override)
-    env = os.environ.get("THUNDERPROXY_TRACES")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+def trace_path(folder: str | None = None) -> Path:
+    """The calls trace: in ``folder`` when given, else where ``--trace thunderagent`` finds it."""
+    return resolve(str(Path(folder) / TRACE) if folder else "thunderagent")
 
 
 def load_programs(path: Path, run: str) -> list[list[dict[str, Any]]]:
     programs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    with path.open() as fh:
-        for line in fh:
-            row = json.loads(line)
-            if row["run"] == run:
-                programs[row["program_id"]].append(row)
+    for row in read_jsonl(path):
+        if row["run"] == run:
+            programs[row["program_id"]].append(row)
     ordered = sorted(programs.values(), key=lambda steps: steps[0]["program_start_s"])
     return [sorted(steps, key=lambda r: r["step"]) for steps in ordered]
 
@@ -228,7 +221,8 @@ def table(sim: dict[str, dict[str, float]], real: dict[str, dict[str, float]]) -
 @click.option(
     "--traces",
     default=None,
-    help="Trace folder (default $THUNDERPROXY_TRACES or ../shared/traces).",
+    help="Folder holding the calls trace (default: the trace shipped with the package, "
+    "or $THUNDERPROXY_TRACES).",
 )
 @click.option(
     "--profile", default="glm45-swe", show_default=True, type=click.Choice(list(PROFILES))
@@ -238,7 +232,7 @@ def table(sim: dict[str, dict[str, float]], real: dict[str, dict[str, float]]) -
 @click.option("--rounds", default=3, show_default=True, help="Search rounds with --fit.")
 def main(traces: str | None, profile: str, runs: str, fit: bool, rounds: int) -> None:
     """Compare (or fit) a timing profile against the recorded vLLM timings."""
-    path = traces_dir(traces) / TRACE
+    path = trace_path(traces)
     data = {run: load_programs(path, run) for run in runs.split(",")}
     impute_args(data)
     real = {run: trace_stats(programs) for run, programs in data.items()}

@@ -81,7 +81,7 @@ PROFILES: dict[str, TimingProfile] = {
         # Fitted by `python -m thunderproxy.sim.calibrate` to the ThunderAgent SWE-agent
         # runs (GLM-4.5-FP8 on vLLM at 1/4/32 agents); docs/SIMULATOR.md has the fit.
         _profile("glm45-swe",  2.0, 14.2, 16.9, 128, 80.0, 1.4, 1_500_000,
-                 "fitted to ../shared/traces/thunderagent_* (GLM-4.5-FP8)", c_prep_us=5.3,
+                 "fitted to the ThunderAgent SWE-agent trace (GLM-4.5-FP8)", c_prep_us=5.3,
                  kv_bytes_per_token=2 * 92 * 8 * 128 * 2),
     )
 }  # fmt: skip
