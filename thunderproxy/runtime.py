@@ -6,7 +6,7 @@ simulator) -> audit writer -> HTTP, listening at once -> wait for the backends' 
 (LLM calls are answered 503 meanwhile) -> metrics poller -> resume monitor -> ready. Each
 reports readiness through ``task_status.started()``; ``run`` itself reports once traffic flows.
 
-Stop order, on SIGINT/SIGTERM or ``shutdown.set()``: Hypercorn stops accepting and drains
+Stop order, on SIGINT/SIGTERM/SIGHUP or ``shutdown.set()``: Hypercorn stops accepting and drains
 in-flight requests for up to ``shutdown_grace`` seconds; then the pollers are cancelled, the audit
 channel is closed, and the writer flushes every accepted row before the nursery exits.
 """
@@ -79,6 +79,10 @@ class RunningProxy:
     #: Worker mode's live state (docs/WORKER.md); None when worker mode is off.
     worker: WorkerState | None = None
 
+
+#: The signals that drain and stop the proxy. SIGHUP too: a closed terminal or a supervisor that
+#: hangs up would otherwise kill the process at once (exit 129), cutting its streams and audit.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 #: Hundreds of agents may connect at once; a backlog of 100 (hypercorn's) resets the rest.
 BACKLOG = 4096
@@ -177,7 +181,7 @@ async def _in_scope(
 async def _stop_on_signals(
     shutdown: trio.Event, force: trio.CancelScope, background: Background
 ) -> None:
-    with background.scope(), trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with background.scope(), trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         async for signum in signals:
             if not shutdown.is_set():
                 log.info(

@@ -16,10 +16,10 @@ each backend's capacity) and which backend each program was placed on. Each work
 own audit db (``--db`` with ``.wK`` before the suffix), so no two processes write one SQLite file
 or restore each other's programs.
 
-The supervisor forwards SIGINT/SIGTERM to the workers (each drains as a single proxy does) and
-exits when all have. A worker that dies after it served is started again; one that dies before
-it served (a worker that cannot start will not start the next time either) stops every worker,
-and ``serve`` exits with an error.
+The supervisor forwards SIGINT/SIGTERM/SIGHUP to the workers (each drains as a single proxy
+does) and exits when all have. A worker that dies after it served is started again; one that
+dies before it served (a worker that cannot start will not start the next time either) stops
+every worker, and ``serve`` exits with an error.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import trio
 from . import __version__
 from .config import Settings
 from .errors import our_error
+from .runtime import STOP_SIGNALS
 
 log = logging.getLogger("thunderproxy.scaleout")
 
@@ -114,8 +115,8 @@ class Supervisor:
         if pid == 0:  # the worker
             code = 1
             try:
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                for signum in STOP_SIGNALS:
+                    signal.signal(signum, signal.SIG_DFL)
                 self.holder.close()
                 os.close(self.ready_read)
                 code = _worker(settings, self.ready_write)
@@ -197,8 +198,8 @@ class Supervisor:
         return not self.stopping
 
     def run(self) -> int:
-        signal.signal(signal.SIGINT, self.on_signal)
-        signal.signal(signal.SIGTERM, self.on_signal)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self.on_signal)
         for k in range(1, self.settings.workers + 1):
             self.start(k)
         if self.wait_ready():
@@ -219,7 +220,8 @@ class Supervisor:
 
 
 def supervise(settings: Settings) -> int:
-    """Run ``settings.workers`` proxies on one port until SIGINT/SIGTERM; the exit status."""
+    """Run ``settings.workers`` proxies on one port until SIGINT/SIGTERM/SIGHUP; the exit
+    status."""
     return Supervisor(settings).run()
 
 
