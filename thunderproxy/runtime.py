@@ -57,6 +57,7 @@ from .statistics import Counters
 from .worker import (
     WorkerMiddleware,
     WorkerState,
+    restore_seen,
     serve_worker,
     signals_from_services,
     worker_config,
@@ -352,6 +353,9 @@ async def run(
             )
             worker_cfg = worker_config(settings, os.environ)
             worker = None if worker_cfg is None else WorkerState(worker_cfg, audit.record)
+            if worker is not None:
+                # Request numbers accepted before a restart: their replays are refused too.
+                await restore_seen(worker, settings.db)
             if worker_cfg is not None and worker_cfg.unsecured:
                 log.warning(
                     "worker mode with --unsecured: requests are NOT checked for the "

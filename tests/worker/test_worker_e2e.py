@@ -124,6 +124,33 @@ async def test_signed_unsigned_invalid_and_replayed_requests(
     assert run_canned(tmp_path / "audit.db", "worker_events", since="-1 minute", event="x") == []
 
 
+async def test_a_request_replayed_after_a_restart_is_refused(
+    tmp_path: Path, sim: Simulator, scaler: Autoscaler
+) -> None:
+    # The numbers already served lived in memory only: after a restart a replayed request was
+    # served, and billed, again. Now they are read back from the audit db (worker_seen).
+    signed = scaler.wrap(CHAT, cost=5)
+    other = scaler.wrap(CHAT, cost=5)
+    async with worker(tmp_path, sim.url, scaler) as (_proxy, state, client):
+        await until_ready(state)
+        for body in (signed, other):
+            ok = await client.post("/v1/chat/completions", json=body, headers=FIVE)
+            assert ok.status_code == 200, ok.text
+    async with worker(tmp_path, sim.url, scaler) as (_proxy, state, client):  # same db
+        await until_ready(state)
+        for body in (signed, other):
+            replayed = await client.post("/v1/chat/completions", json=body, headers=FIVE)
+            assert replayed.status_code == 401, replayed.text
+            assert "already served" in replayed.json()["error"]["message"]
+        fresh = await client.post("/v1/chat/completions", json=scaler.wrap(CHAT), headers=FIVE)
+        assert fresh.status_code == 200, fresh.text
+    seen = query(tmp_path / "audit.db", "select reqnum, path from worker_seen order by id")
+    numbers = [signed["auth_data"]["reqnum"], other["auth_data"]["reqnum"], scaler.reqnum]
+    assert seen == [{"reqnum": n, "path": "/v1/chat/completions"} for n in numbers]
+    replays = [e for e in events(tmp_path / "audit.db") if e["event"] == "replay"]
+    assert len(replays) == 2
+
+
 async def test_unsecured_mode_accepts_plain_and_wrapped_bodies(
     tmp_path: Path, sim: Simulator, scaler: Autoscaler
 ) -> None:
