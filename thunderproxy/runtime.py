@@ -81,9 +81,13 @@ class RunningProxy:
     worker: WorkerState | None = None
 
 
-#: The signals that drain and stop the proxy. SIGHUP too: a closed terminal or a supervisor that
-#: hangs up would otherwise kill the process at once (exit 129), cutting its streams and audit.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that drain and stop the proxy. SIGHUP too: a closed terminal or a supervisor
+    that hangs up would otherwise kill the process at once (exit 129), cutting its streams and
+    its audit rows; but not where it is ignored (``nohup``), as it is then meant to be."""
+    hup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hup)
+
 
 #: Hundreds of agents may connect at once; a backlog of 100 (hypercorn's) resets the rest.
 BACKLOG = 4096
@@ -182,7 +186,7 @@ async def _in_scope(
 async def _stop_on_signals(
     shutdown: trio.Event, force: trio.CancelScope, background: Background
 ) -> None:
-    with background.scope(), trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    with background.scope(), trio.open_signal_receiver(*stop_signals()) as signals:
         async for signum in signals:
             if not shutdown.is_set():
                 log.info(

@@ -46,7 +46,7 @@ import trio
 from . import __version__
 from .config import Settings
 from .errors import ConfigError, our_error
-from .runtime import STOP_SIGNALS
+from .runtime import stop_signals
 
 log = logging.getLogger("thunderproxy.scaleout")
 
@@ -167,7 +167,7 @@ class Supervisor:
         if pid == 0:  # the worker
             code = 1
             try:
-                for signum in STOP_SIGNALS:
+                for signum in stop_signals():
                     signal.signal(signum, signal.SIG_DFL)
                 self.holder.close()
                 os.close(self.ready_read)
@@ -251,7 +251,7 @@ class Supervisor:
         return not self.stopping
 
     def run(self) -> int:
-        for signum in STOP_SIGNALS:
+        for signum in stop_signals():
             signal.signal(signum, self.on_signal)
         for k in range(1, self.settings.workers + 1):
             self.start(k)

@@ -13,7 +13,7 @@ import openai
 import pytest
 import trio
 
-from tests.conftest import query, spawn_serving
+from tests.conftest import LISTENING, query, spawn_serving
 from thunderproxy.sim import SimConfig, open_simulator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,3 +129,48 @@ async def test_sigterm_drains_a_stream_in_flight(
     assert query(db, "select status from steps") == [{"status": 200}]
     # The run's row was closed: the writer flushed and stopped in order.
     assert query(db, "select stopped_at is not null as stopped from runs") == [{"stopped": 1}]
+
+
+async def test_sighup_is_left_alone_where_it_is_ignored(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # nohup starts a process with SIGHUP ignored, to outlive its terminal: draining on it then
+    # would stop what the user asked to keep running.
+    import httpx
+
+    sim = await nursery.start(serve_simulator_task, SIM)
+    argv = [
+        *command("module", None),
+        "serve",
+        "--port",
+        "0",
+        "--backends",
+        sim,
+        "--db",
+        str(tmp_path / "a.db"),
+    ]
+    process = await trio.lowlevel.open_process(
+        ["sh", "-c", 'trap "" HUP; exec "$@"', "sh", *argv],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+    )
+    assert process.stderr is not None
+    seen = b""
+    try:
+        with trio.fail_after(30):
+            while not (match := LISTENING.search(seen)):
+                chunk = await process.stderr.receive_some()
+                assert chunk, seen.decode()
+                seen += chunk
+        process.send_signal(signal.SIGHUP)
+        async with httpx.AsyncClient(base_url=match.group(1).decode(), timeout=10) as client:
+            for _ in range(3):  # a stop would answer 503 "shutting down", then refuse
+                assert (await client.get("/health")).status_code == 200
+                await trio.sleep(0.2)
+        assert process.returncode is None
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(20):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
