@@ -50,7 +50,7 @@ def cli() -> None:
 @settings_options()
 @click.pass_context
 def serve(ctx: click.Context, /, **values: Any) -> None:
-    """Run the proxy until SIGINT/SIGTERM (in-flight requests are drained first).
+    """Run the proxy until SIGINT/SIGTERM/SIGHUP (in-flight requests are drained first).
 
     Every option can also be set through the environment variable shown next to it, or as a
     key of the --config file (docs/CONFIG.md); flags beat variables, which beat the file.

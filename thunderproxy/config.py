@@ -380,7 +380,7 @@ class Settings:
     )
     db: str = setting("thunderproxy.db", "SQLite file that receives every transition and step.")
     shutdown_grace: float = setting(
-        10.0 * SECONDS, "Seconds in-flight requests may take to finish after SIGINT/SIGTERM."
+        10.0 * SECONDS, "Seconds in-flight requests may take to finish after SIGINT/SIGTERM/SIGHUP."
     )
     connect_timeout: float = setting(
         10.0 * SECONDS, "Seconds to wait for a backend TCP connection."

@@ -6,7 +6,7 @@ simulator) -> audit writer -> HTTP, listening at once -> wait for the backends' 
 (LLM calls are answered 503 meanwhile) -> metrics poller -> resume monitor -> ready. Each
 reports readiness through ``task_status.started()``; ``run`` itself reports once traffic flows.
 
-Stop order, on SIGINT/SIGTERM or ``shutdown.set()``: Hypercorn stops accepting and drains
+Stop order, on SIGINT/SIGTERM/SIGHUP or ``shutdown.set()``: Hypercorn stops accepting and drains
 in-flight requests for up to ``shutdown_grace`` seconds; then the pollers are cancelled, the audit
 channel is closed, and the writer flushes every accepted row before the nursery exits.
 """
@@ -57,6 +57,7 @@ from .statistics import Counters
 from .worker import (
     WorkerMiddleware,
     WorkerState,
+    restore_seen,
     serve_worker,
     signals_from_services,
     worker_config,
@@ -78,6 +79,14 @@ class RunningProxy:
     shutdown: trio.Event
     #: Worker mode's live state (docs/WORKER.md); None when worker mode is off.
     worker: WorkerState | None = None
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that drain and stop the proxy. SIGHUP too: a closed terminal or a supervisor
+    that hangs up would otherwise kill the process at once (exit 129), cutting its streams and
+    its audit rows; but not where it is ignored (``nohup``), as it is then meant to be."""
+    hup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hup)
 
 
 #: Hundreds of agents may connect at once; a backlog of 100 (hypercorn's) resets the rest.
@@ -177,7 +186,7 @@ async def _in_scope(
 async def _stop_on_signals(
     shutdown: trio.Event, force: trio.CancelScope, background: Background
 ) -> None:
-    with background.scope(), trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with background.scope(), trio.open_signal_receiver(*stop_signals()) as signals:
         async for signum in signals:
             if not shutdown.is_set():
                 log.info(
@@ -348,6 +357,9 @@ async def run(
             )
             worker_cfg = worker_config(settings, os.environ)
             worker = None if worker_cfg is None else WorkerState(worker_cfg, audit.record)
+            if worker is not None:
+                # Request numbers accepted before a restart: their replays are refused too.
+                await restore_seen(worker, settings.db)
             if worker_cfg is not None and worker_cfg.unsecured:
                 log.warning(
                     "worker mode with --unsecured: requests are NOT checked for the "

@@ -16,19 +16,27 @@ each backend's capacity) and which backend each program was placed on. Each work
 own audit db (``--db`` with ``.wK`` before the suffix), so no two processes write one SQLite file
 or restore each other's programs.
 
-The supervisor forwards SIGINT/SIGTERM to the workers (each drains as a single proxy does) and
-exits when all have. A worker that dies after it served is started again; one that dies before
-it served (a worker that cannot start will not start the next time either) stops every worker,
-and ``serve`` exits with an error.
+The supervisor forwards SIGINT/SIGTERM/SIGHUP to the workers (each drains as a single proxy
+does) and exits when all have. On Linux the workers die with it whatever ends it, SIGKILL
+included: each asks the kernel for SIGTERM when its parent goes (``PR_SET_PDEATHSIG``), so it
+drains and exits instead of serving the port on its own. A supervisor does not start while any
+socket listens on its port: SO_REUSEPORT would let it bind beside them and share the traffic.
+
+A worker that dies after it served is started again; one that dies before it served (a worker
+that cannot start will not start the next time either) stops every worker, and ``serve`` exits
+with an error.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import logging
 import os
 import select
 import signal
+import socket
 import sys
 from functools import partial
 from pathlib import Path
@@ -37,12 +45,55 @@ import trio
 
 from . import __version__
 from .config import Settings
-from .errors import our_error
+from .errors import ConfigError, our_error
+from .runtime import stop_signals
 
 log = logging.getLogger("thunderproxy.scaleout")
 
 #: How often the supervisor looks for workers that ended, while it has nothing else to do.
 POLL_S = 0.2
+
+#: prctl(2)'s option that sets the signal a process gets when its parent dies (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
+
+
+def refuse_if_listened(host: str, port: int) -> None:
+    """ConfigError if some socket already listens on ``host:port``.
+
+    The supervisor binds with SO_REUSEPORT, which the kernel grants beside other SO_REUSEPORT
+    listeners of the same user: the workers of an earlier supervisor that was killed, or of one
+    still running, would then share the port with the new set, each set answering with its own
+    settings. A bind without SO_REUSEPORT fails while any socket listens there."""
+    if port == 0:
+        return  # the kernel picks a port nobody holds
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return  # bind_listener names any other problem with the port
+            raise ConfigError(
+                f"Port {port} on {host} is already in use by processes listening there (workers "
+                "of an earlier `serve --workers` whose supervisor was killed keep serving it, "
+                "and a new set would share its connections with them); stop them (`ss -ltnp "
+                f"'sport = :{port}'` lists their pids) or pass --port with a free port."
+            ) from None
+
+
+def die_with_parent(parent: int) -> bool:
+    """In a forked worker: have the kernel send SIGTERM when the supervisor dies (Linux), so the
+    worker drains and exits rather than keep serving the port with no supervisor. False when
+    the supervisor is already gone (it died before the request took effect)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            log.warning(
+                "worker %d: prctl(PR_SET_PDEATHSIG) failed (%s); it may outlive its supervisor",
+                os.getpid(),
+                os.strerror(ctypes.get_errno()),
+            )
+    return os.getppid() == parent
 
 
 def worker_db(db: str, k: int) -> str:
@@ -90,6 +141,7 @@ class Supervisor:
         from .runtime import bind_listener
 
         self.settings = settings
+        refuse_if_listened(settings.host, settings.port)
         # Holds the port (and resolves --port 0) without listening: no connection comes here.
         self.holder = bind_listener(settings.host, settings.port, reuse_port=True, listen=False)
         self.port: int = self.holder.getsockname()[1]
@@ -110,15 +162,17 @@ class Supervisor:
 
     def start(self, k: int) -> None:
         settings = worker_settings(self.settings, k, self.port)
+        supervisor = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker
             code = 1
             try:
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                for signum in stop_signals():
+                    signal.signal(signum, signal.SIG_DFL)
                 self.holder.close()
                 os.close(self.ready_read)
-                code = _worker(settings, self.ready_write)
+                if die_with_parent(supervisor):
+                    code = _worker(settings, self.ready_write)
             finally:
                 logging.shutdown()
                 sys.stderr.flush()
@@ -197,8 +251,8 @@ class Supervisor:
         return not self.stopping
 
     def run(self) -> int:
-        signal.signal(signal.SIGINT, self.on_signal)
-        signal.signal(signal.SIGTERM, self.on_signal)
+        for signum in stop_signals():
+            signal.signal(signum, self.on_signal)
         for k in range(1, self.settings.workers + 1):
             self.start(k)
         if self.wait_ready():
@@ -219,8 +273,16 @@ class Supervisor:
 
 
 def supervise(settings: Settings) -> int:
-    """Run ``settings.workers`` proxies on one port until SIGINT/SIGTERM; the exit status."""
+    """Run ``settings.workers`` proxies on one port until SIGINT/SIGTERM/SIGHUP; the exit
+    status."""
     return Supervisor(settings).run()
 
 
-__all__ = ["Supervisor", "supervise", "worker_db", "worker_settings"]
+__all__ = [
+    "Supervisor",
+    "die_with_parent",
+    "refuse_if_listened",
+    "supervise",
+    "worker_db",
+    "worker_settings",
+]

@@ -13,7 +13,7 @@ import openai
 import pytest
 import trio
 
-from tests.conftest import query, spawn_serving
+from tests.conftest import LISTENING, query, spawn_serving
 from thunderproxy.sim import SimConfig, open_simulator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +95,12 @@ async def test_served_process_speaks_to_the_openai_client_and_stops_cleanly_on_s
     assert (db.stat().st_mode & 0o777) == 0o600
 
 
-async def test_sigterm_drains_a_stream_in_flight(nursery: trio.Nursery, tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+async def test_sigterm_drains_a_stream_in_flight(
+    signum: signal.Signals, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # SIGHUP (a closed terminal, a supervisor hanging up) drains as SIGTERM does: before, it
+    # killed the process at once, exit 129, with the stream cut and no steps row.
     import httpx
 
     sim = await nursery.start(serve_simulator_task, SIM)
@@ -104,7 +109,7 @@ async def test_sigterm_drains_a_stream_in_flight(nursery: trio.Nursery, tmp_path
     process, url = await spawn_serving([*argv, "--db", str(db)], dict(os.environ))
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
-        # ~150 decode steps of ~7 ms: still streaming when SIGTERM arrives after chunk one.
+        # ~150 decode steps of ~7 ms: still streaming when the signal arrives after chunk one.
         headers = {"X-Sim-Output-Tokens": "150", "X-Program-Id": "drain"}
         chunks = []
         async with (
@@ -113,7 +118,7 @@ async def test_sigterm_drains_a_stream_in_flight(nursery: trio.Nursery, tmp_path
         ):
             async for chunk in r.aiter_text():
                 if not chunks:
-                    process.send_signal(signal.SIGTERM)
+                    process.send_signal(signum)
                 chunks.append(chunk)
         with trio.fail_after(20):
             assert await process.wait() == 0
@@ -122,3 +127,50 @@ async def test_sigterm_drains_a_stream_in_flight(nursery: trio.Nursery, tmp_path
             process.kill()
     assert "".join(chunks).endswith("data: [DONE]\n\n")
     assert query(db, "select status from steps") == [{"status": 200}]
+    # The run's row was closed: the writer flushed and stopped in order.
+    assert query(db, "select stopped_at is not null as stopped from runs") == [{"stopped": 1}]
+
+
+async def test_sighup_is_left_alone_where_it_is_ignored(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # nohup starts a process with SIGHUP ignored, to outlive its terminal: draining on it then
+    # would stop what the user asked to keep running.
+    import httpx
+
+    sim = await nursery.start(serve_simulator_task, SIM)
+    argv = [
+        *command("module", None),
+        "serve",
+        "--port",
+        "0",
+        "--backends",
+        sim,
+        "--db",
+        str(tmp_path / "a.db"),
+    ]
+    process = await trio.lowlevel.open_process(
+        ["sh", "-c", 'trap "" HUP; exec "$@"', "sh", *argv],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+    )
+    assert process.stderr is not None
+    seen = b""
+    try:
+        with trio.fail_after(30):
+            while not (match := LISTENING.search(seen)):
+                chunk = await process.stderr.receive_some()
+                assert chunk, seen.decode()
+                seen += chunk
+        process.send_signal(signal.SIGHUP)
+        async with httpx.AsyncClient(base_url=match.group(1).decode(), timeout=10) as client:
+            for _ in range(3):  # a stop would answer 503 "shutting down", then refuse
+                assert (await client.get("/health")).status_code == 200
+                await trio.sleep(0.2)
+        assert process.returncode is None
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(20):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,94 @@ async def test_a_dead_worker_is_started_again_and_a_signal_stops_them_all(
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no one has reaped yet counts as gone: it serves nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP], ids=["sigkill", "sighup"])
+async def test_workers_die_with_their_supervisor(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+    signum: signal.Signals,
+) -> None:
+    # Before, a supervisor killed (or hung up on: SIGHUP's default action) left its workers
+    # serving the port with parent 1.
+    async with open_simulator(SimConfig(time_scale=0.02)) as sim:
+        argv = [sys.executable, "-m", "thunderproxy", "serve", "--workers", "2", "--port", "0"]
+        argv += ["--backends", sim.url, "--redis", redis_server.url, "--no-datasette"]
+        argv += ["--db", str(tmp_path / "p.db")]
+        process = await trio.lowlevel.open_process(argv, stderr=subprocess.PIPE)
+        assert process.stderr is not None
+        seen = b""
+        pids: list[int] = []
+        try:
+            with trio.fail_after(60):
+                pattern = rb"listening on http://127\.0\.0\.1:(\d+) \(2 workers, pids (\d+),(\d+)"
+                while not (listening := re.search(pattern, seen)):
+                    chunk = await process.stderr.receive_some()
+                    assert chunk, seen.decode()
+                    seen += chunk
+            port = int(listening.group(1))
+            pids = [int(listening.group(2)), int(listening.group(3))]
+            assert all(alive(pid) for pid in pids)
+            process.send_signal(signum)
+            with trio.fail_after(60):
+                code = await process.wait()
+                # Generous: each worker drains (nothing is in flight) and flushes its db.
+                while any(alive(pid) for pid in pids):
+                    await trio.sleep(0.1)
+            assert code == (-signal.SIGKILL if signum == signal.SIGKILL else 0)
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            for pid in pids:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_supervisor_refuses_a_port_that_others_listen_on(tmp_path: Path) -> None:
+    # What a killed supervisor's workers left behind: sockets listening with SO_REUSEPORT.
+    # Before, a new `serve --workers 2` bound beside them and the two sets split the traffic.
+    with socket.socket() as orphan:
+        orphan.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        orphan.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        orphan.bind(("127.0.0.1", 0))
+        orphan.listen()
+        port = orphan.getsockname()[1]
+        argv = [sys.executable, "-m", "thunderproxy", "serve", "--workers", "2"]
+        argv += ["--port", str(port), "--backends", "http://127.0.0.1:9", "--no-datasette"]
+        argv += ["--redis", "redis://127.0.0.1:9/0", "--db", str(tmp_path / "p.db")]
+        process = await trio.lowlevel.open_process(
+            argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL
+        )
+        assert process.stderr is not None
+        stderr = b""
+        try:
+            with trio.move_on_after(60):
+                while chunk := await process.stderr.receive_some():
+                    stderr += chunk
+                await process.wait()
+        finally:
+            if process.returncode is None:
+                process.terminate()  # reaches the workers it may have started, which stop
+                with trio.fail_after(60):
+                    await process.wait()
+    text = stderr.decode()
+    assert process.returncode == 1, text
+    errors = [line for line in text.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, text
+    assert f"Port {port} on 127.0.0.1 is already in use by processes listening there" in errors[0]
+    assert f"`ss -ltnp 'sport = :{port}'` lists their pids" in errors[0]
+    assert "pass --port with a free port" in errors[0]
+    assert not await trio.Path(worker_db(str(tmp_path / "p.db"), 1)).exists()

@@ -38,7 +38,7 @@ def test_every_query_is_documented_and_declares_exactly_its_parameters() -> None
 CORE = {
     "runs", "transitions", "steps", "backend_samples", "decisions", "schema_migrations",
     "program_states", "step_timings", "program_summary", "backend_timeline", "rejections",
-    "bench_runs", "bench_results", "bench_steps", "worker_events",
+    "bench_runs", "bench_results", "bench_steps", "worker_events", "worker_seen",
 }  # fmt: skip
 
 

@@ -53,6 +53,7 @@ class Autoscaler:
         endpoint: str = "test-endpoint",
         reqnum: int | None = None,
         request_idx: int | None = None,
+        url: str = "http://worker.test",
     ) -> dict[str, Any]:
         if reqnum is None:
             self.reqnum += 1
@@ -62,7 +63,7 @@ class Autoscaler:
             "endpoint": endpoint,
             "reqnum": reqnum,
             "request_idx": reqnum if request_idx is None else request_idx,
-            "url": "http://worker.test",
+            "url": url,
         }
         return {**fields, "signature": sign(self.key, fields)}
 

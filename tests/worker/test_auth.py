@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import sqlite3
+from pathlib import Path
 
 import pytest
 
+from tests.conftest import query
 from tests.worker.autoscaler import Autoscaler
+from thunderproxy.audit.writer import open_database
 from thunderproxy.worker.auth import (
     AuthData,
     AuthDataError,
@@ -14,6 +18,7 @@ from thunderproxy.worker.auth import (
     load_public_key,
     signature_valid,
 )
+from thunderproxy.worker.seen import load_seen
 
 
 def test_signed_message_is_the_sorted_indented_json_of_five_fields() -> None:
@@ -86,3 +91,31 @@ def test_replay_guard_refuses_repeats_and_stays_bounded() -> None:
     assert guard.floor == 11
     assert guard.check(12) is not None  # remembered
     assert guard.check(15) is None
+
+
+def test_seen_numbers_are_read_back_newest_first_and_older_ones_pruned(tmp_path: Path) -> None:
+    db = str(tmp_path / "audit.db")
+    open_database(db).close()  # migrated
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.executemany(
+            "INSERT INTO worker_seen (at, reqnum, request_idx, path) VALUES (0, ?, ?, '/x')",
+            [(n, n) for n in (5, 1, 9, 7, 3, 8)],
+        )
+    conn.close()
+    numbers, floor = load_seen(db, 3)
+    assert (numbers, floor) == ([9, 8, 7], 5)
+    guard = ReplayGuard(3)
+    guard.restore(numbers, floor)
+    assert "already served" in (guard.check(8) or "")
+    assert "older than" in (guard.check(5) or "")
+    assert "older than" in (guard.check(4) or "")
+    assert guard.check(6) is None
+    assert guard.check(10) is None
+    # Rows below the floor are gone; the floor's row stays, to be the floor next time too.
+    assert query(tmp_path / "audit.db", "select reqnum from worker_seen order by reqnum") == [
+        {"reqnum": n} for n in (5, 7, 8, 9)
+    ]
+    assert load_seen(db, 3) == ([9, 8, 7], 5)
+    assert load_seen(db, 10) == ([9, 8, 7, 5], None)
+    assert load_seen("", 3) == ([], None)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from tests.worker.autoscaler import Autoscaler
 from thunderproxy.worker.auth import load_public_key
-from thunderproxy.worker.middleware import WorkerMiddleware, _strip_auth_params
+from thunderproxy.worker.middleware import MAX_BODY_DEPTH, WorkerMiddleware, _strip_auth_params
 from thunderproxy.worker.state import WorkerConfig, WorkerState
 
 
@@ -108,3 +110,118 @@ async def test_websockets_cannot_bypass_the_signature() -> None:
                       [{"type": "websocket.connect"}])  # fmt: skip
     assert sent == [{"type": "websocket.close", "code": 1008}]
     assert app.calls == []
+
+
+@pytest.mark.parametrize(
+    ("signed", "served", "status"),
+    [
+        ({"endpoint": "/v1/embeddings"}, "/v1/embeddings", 200),
+        ({"endpoint": "/v1/embeddings"}, "/council/jobs", 401),
+        ({"endpoint": "/v1/embeddings"}, "/v1/chat/completions", 401),
+        ({"url": "https://10.0.0.7:41234/v1/embeddings"}, "/v1/embeddings", 200),
+        ({"url": "https://10.0.0.7:41234/v1/embeddings"}, "/council/jobs", 401),
+        ({"url": "/v1/embeddings/"}, "/v1//./embeddings", 200),
+        ({"url": "/v1/%65mbeddings"}, "/v1/embeddings", 200),
+        ({"url": "https://w/v1/embeddings", "endpoint": "/v1/models"}, "/v1/embeddings", 401),
+        # The autoscaler's usual values, the worker's address and the endpoint group's name,
+        # name no route: the signature is good for any.
+        ({"url": "https://10.0.0.7:41234", "endpoint": "my-group"}, "/council/jobs", 200),
+    ],
+    ids=["same", "council", "chat", "url-same", "url-council", "normalised", "encoded",
+         "both-disagree", "no-route"],
+)  # fmt: skip
+async def test_a_signature_opens_only_the_route_it_names(
+    signed: dict[str, str], served: str, status: int
+) -> None:
+    scaler = Autoscaler()
+    app = RecordingApp()
+    state = secured(scaler)
+    middleware = WorkerMiddleware(app, state)  # type: ignore[arg-type]
+    wrapped = scaler.wrap({"input": "x"}, **signed)
+    body = json.dumps(wrapped).encode()
+    sent = await call(
+        middleware,
+        http_scope("POST", served, body=body),
+        [{"type": "http.request", "body": body, "more_body": False}],
+    )
+    assert sent[0]["status"] == status, sent
+    assert len(app.calls) == (status == 200)
+    if status == 401:
+        message = json.loads(sent[1]["body"])["error"]["message"]
+        assert "names the route" in message
+        # Refused, so not taken as seen: the same signature still works where it belongs.
+        assert wrapped["auth_data"]["reqnum"] not in state.replay._seen
+
+
+async def test_a_route_bound_query_signature_is_checked_too() -> None:
+    scaler = Autoscaler()
+    app = RecordingApp()
+    middleware = WorkerMiddleware(app, secured(scaler))  # type: ignore[arg-type]
+    query = scaler.query(endpoint="/v1/models").encode()
+    assert (await call(middleware, http_scope("GET", "/programs", query), []))[0]["status"] == 401
+    assert (await call(middleware, http_scope("GET", "/v1/models", query), []))[0]["status"] == 200
+    assert len(app.calls) == 1
+
+
+@pytest.mark.parametrize("unsecured", [False, True], ids=["secured", "unsecured"])
+async def test_malformed_auth_data_is_401_in_either_mode(unsecured: bool) -> None:
+    # WORKER.md: malformed auth_data is 401; --unsecured answered 400.
+    scaler = Autoscaler()
+    app = RecordingApp()
+    state = secured(scaler, unsecured=unsecured)
+    middleware = WorkerMiddleware(app, state)  # type: ignore[arg-type]
+    body = json.dumps({"auth_data": {"cost": 1}, "payload": {}}).encode()
+    sent = await call(
+        middleware,
+        http_scope("POST", "/v1/completions", body=body),
+        [{"type": "http.request", "body": body, "more_body": False}],
+    )
+    assert sent[0]["status"] == 401
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["type"] == "authentication_error"
+    assert "Malformed autoscaler signature data" in error["message"]
+    assert app.calls == []
+
+
+@pytest.mark.parametrize("depth", [MAX_BODY_DEPTH + 1, 200_000], ids=["just-past", "200000"])
+@pytest.mark.parametrize("unsecured", [False, True], ids=["secured", "unsecured"])
+async def test_a_deeply_nested_body_is_a_400_before_the_signature_check(
+    depth: int, unsecured: bool
+) -> None:
+    # A body nested 200,000 deep was a bare empty 500 (RecursionError in the parser).
+    scaler = Autoscaler()
+    app = RecordingApp()
+    state = secured(scaler, unsecured=unsecured)
+    middleware = WorkerMiddleware(app, state)  # type: ignore[arg-type]
+    inner = depth - 2  # the wrapper object and the payload's object are two levels
+    body = (
+        b'{"auth_data": {}, "payload": {"x": ' + b"[" * inner + b"]" * inner + b"}}"
+        if depth < 1000
+        else b"[" * depth + b"]" * depth
+    )
+    sent = await call(
+        middleware,
+        http_scope("POST", "/v1/completions", body=body),
+        [{"type": "http.request", "body": body, "more_body": False}],
+    )
+    assert sent[0]["status"] == 400
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["type"] == "invalid_request_error"
+    assert f"more than {MAX_BODY_DEPTH} levels deep" in error["message"]
+    assert app.calls == []
+
+
+async def test_a_body_at_the_depth_bound_passes() -> None:
+    scaler = Autoscaler()
+    app = RecordingApp()
+    middleware = WorkerMiddleware(app, secured(scaler))  # type: ignore[arg-type]
+    inner = MAX_BODY_DEPTH - 2
+    payload = {"x": json.loads("[" * inner + "]" * inner)}
+    body = json.dumps(scaler.wrap(payload)).encode()
+    sent = await call(
+        middleware,
+        http_scope("POST", "/v1/completions", body=body),
+        [{"type": "http.request", "body": body, "more_body": False}],
+    )
+    assert sent[0]["status"] == 200
+    assert json.loads(app.calls[0]["body"]) == payload

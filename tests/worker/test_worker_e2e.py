@@ -124,6 +124,60 @@ async def test_signed_unsigned_invalid_and_replayed_requests(
     assert run_canned(tmp_path / "audit.db", "worker_events", since="-1 minute", event="x") == []
 
 
+async def test_a_request_replayed_after_a_restart_is_refused(
+    tmp_path: Path, sim: Simulator, scaler: Autoscaler
+) -> None:
+    # The numbers already served lived in memory only: after a restart a replayed request was
+    # served, and billed, again. Now they are read back from the audit db (worker_seen).
+    signed = scaler.wrap(CHAT, cost=5)
+    other = scaler.wrap(CHAT, cost=5)
+    async with worker(tmp_path, sim.url, scaler) as (_proxy, state, client):
+        await until_ready(state)
+        for body in (signed, other):
+            ok = await client.post("/v1/chat/completions", json=body, headers=FIVE)
+            assert ok.status_code == 200, ok.text
+    async with worker(tmp_path, sim.url, scaler) as (_proxy, state, client):  # same db
+        await until_ready(state)
+        for body in (signed, other):
+            replayed = await client.post("/v1/chat/completions", json=body, headers=FIVE)
+            assert replayed.status_code == 401, replayed.text
+            assert "already served" in replayed.json()["error"]["message"]
+        fresh = await client.post("/v1/chat/completions", json=scaler.wrap(CHAT), headers=FIVE)
+        assert fresh.status_code == 200, fresh.text
+    seen = query(tmp_path / "audit.db", "select reqnum, path from worker_seen order by id")
+    numbers = [signed["auth_data"]["reqnum"], other["auth_data"]["reqnum"], scaler.reqnum]
+    assert seen == [{"reqnum": n, "path": "/v1/chat/completions"} for n in numbers]
+    replays = [e for e in events(tmp_path / "audit.db") if e["event"] == "replay"]
+    assert len(replays) == 2
+
+
+async def test_a_signature_opens_its_own_route_only_and_deep_bodies_are_400s(
+    tmp_path: Path, sim: Simulator, scaler: Autoscaler
+) -> None:
+    # Before: a signature for /v1/embeddings opened a council conversation, and a body nested
+    # 200,000 deep was a bare empty 500 before any signature was looked at.
+    async with worker(tmp_path, sim.url, scaler) as (_proxy, state, client):
+        await until_ready(state)
+        elsewhere = scaler.wrap({}, endpoint="/v1/embeddings")
+        refused = await client.post("/council/api/conversations", json=elsewhere)
+        assert refused.status_code == 401, refused.text
+        assert "names the route /v1/embeddings" in refused.json()["error"]["message"]
+        own = scaler.wrap({}, url="http://worker.test/council/api/conversations")
+        opened = await client.post("/council/api/conversations", json=own)
+        assert opened.status_code == 200, opened.text
+
+        deep = b"[" * 200_000 + b"]" * 200_000
+        answer = await client.post(
+            "/v1/chat/completions", content=deep, headers={"content-type": "application/json"}
+        )
+        assert answer.status_code == 400, answer.text
+        assert "levels deep" in answer.json()["error"]["message"]
+    kinds = [e["event"] for e in events(tmp_path / "audit.db")]
+    assert kinds.count("wrong_route") == 1
+    seen = query(tmp_path / "audit.db", "select path from worker_seen")
+    assert seen == [{"path": "/council/api/conversations"}]
+
+
 async def test_unsecured_mode_accepts_plain_and_wrapped_bodies(
     tmp_path: Path, sim: Simulator, scaler: Autoscaler
 ) -> None:

@@ -2,6 +2,7 @@
 startup benchmark and load reports to the autoscaler (docs/WORKER.md)."""
 
 from .middleware import WorkerMiddleware
+from .seen import restore_seen
 from .service import serve_worker
 from .signals import ProgramSignals, signals_from_services
 from .state import WorkerConfig, WorkerState, worker_config
@@ -11,6 +12,7 @@ __all__ = [
     "WorkerConfig",
     "WorkerMiddleware",
     "WorkerState",
+    "restore_seen",
     "serve_worker",
     "signals_from_services",
     "worker_config",

@@ -13,13 +13,16 @@ import base64
 import binascii
 import heapq
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+from ..http.guard import normalize_path
 
 #: The signed fields, and the query parameters that carry them on bodiless requests.
 SIGNED_FIELDS = ("cost", "endpoint", "reqnum", "request_idx", "url")
@@ -105,6 +108,37 @@ class AuthData:
         return auth
 
 
+def signed_routes(auth: AuthData) -> list[tuple[str, str | None]]:
+    """The routes the signature names, as (field, normalised path): ``url``'s path when it
+    has one past ``/`` (``https://host:port/v1/embeddings``, or a bare ``/v1/embeddings``), and
+    ``endpoint`` when it is a path (starts with ``/``). The autoscaler's usual values, the
+    worker's address and the endpoint group's name, name no route. None for a path that cannot
+    be normalised: it matches no request."""
+    routes: list[tuple[str, str | None]] = []
+    parts = urlsplit(auth.url)
+    if (parts.scheme and parts.netloc) or auth.url.startswith("/"):
+        normal = normalize_path(parts.path)
+        if normal != "/":
+            routes.append(("url", normal))
+    if auth.endpoint.startswith("/"):
+        routes.append(("endpoint", normalize_path(urlsplit(auth.endpoint).path)))
+    return routes
+
+
+def route_mismatch(auth: AuthData, path: str) -> str | None:
+    """Why a request for ``path`` is not what ``auth`` signed, or None when it is: every route
+    the signature names must be the request's, both normalised (``http.guard.normalize_path``),
+    so a signature for ``/v1/embeddings`` opens nothing else."""
+    served = normalize_path(path)
+    for name, route in signed_routes(auth):
+        if route is None or route != served:
+            return (
+                f"the signature's {name} {getattr(auth, name)!r} names the route "
+                f"{route or '(unreadable)'}, not {served or path!r} which was requested"
+            )
+    return None
+
+
 def load_public_key(pem: bytes | str) -> rsa.RSAPublicKey:
     """The autoscaler's key from the PEM its /pubkey/ serves; ValueError if it is not RSA."""
     data = pem.encode() if isinstance(pem, str) else pem
@@ -164,6 +198,14 @@ class ReplayGuard:
                 "worker remembers (a stale or replayed request)"
             )
         return None
+
+    def restore(self, numbers: Iterable[int], floor: int | None) -> None:
+        """Remember ``numbers`` accepted before a restart, and refuse everything at or below
+        ``floor`` (the numbers that fell out of the window then)."""
+        for reqnum in numbers:
+            self.add(reqnum)
+        if floor is not None:
+            self.floor = floor if self.floor is None else max(self.floor, floor)
 
     def add(self, reqnum: int) -> None:
         """Remember a request whose signature was valid (never an unchecked one: a forged

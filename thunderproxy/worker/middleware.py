@@ -18,7 +18,8 @@ import trio
 from hypercorn.typing import ASGIFramework
 
 from ..http.errors import error_body
-from .auth import QUERY_PREFIX, AuthData, AuthDataError, signature_valid
+from ..http.validate import MAX_JSON_DEPTH, deeper_than
+from .auth import QUERY_PREFIX, AuthData, AuthDataError, route_mismatch, signature_valid
 from .ledger import Outcome
 from .state import Phase, WorkerState
 
@@ -32,6 +33,10 @@ Send = Any
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 #: Answered without a signature: read-only, and what an operator needs when all else fails.
 OPEN_PATHS = frozenset({"/health"})
+#: How deep a body's arrays and objects may nest: what the app takes, plus the ``{"auth_data",
+#: "payload"}`` wrapper's level. Deeper is refused before it is parsed any further (a body
+#: nested 200,000 deep made the parser raise RecursionError: a bare 500).
+MAX_BODY_DEPTH = MAX_JSON_DEPTH + 1
 
 
 class Refusal(Exception):
@@ -165,8 +170,9 @@ class WorkerMiddleware:
                     auth = AuthData.from_query(params)
                     scope = {**scope, "query_string": query}
         except AuthDataError as exc:
+            # 401 in --unsecured mode too: a signature was offered, and it is not readable.
             raise Refusal(
-                400 if state.config.unsecured else 401,
+                401,
                 "authentication_error",
                 f"Malformed autoscaler signature data: {exc}.",
                 event="signature_failed",
@@ -184,14 +190,20 @@ class WorkerMiddleware:
                 )
             return scope, receive, None
         if state.secured:
-            self._verify(auth)
+            self._verify(auth, scope["path"])
         return scope, receive, auth
 
     def _unwrap(self, body: bytes) -> tuple[AuthData | None, bytes]:
         try:
             data = json.loads(body) if body else None
+        except RecursionError:
+            raise _too_deep() from None
         except (ValueError, UnicodeDecodeError):
             return None, body
+        # Few brackets cannot nest deep; past them the depth is measured level by level.
+        brackets = body.count(b"[") + body.count(b"{")
+        if brackets > MAX_BODY_DEPTH and deeper_than(data, MAX_BODY_DEPTH):
+            raise _too_deep()
         if not isinstance(data, dict) or "auth_data" not in data:
             return None, body
         if "payload" not in data:
@@ -199,7 +211,7 @@ class WorkerMiddleware:
         auth = AuthData.from_json(data["auth_data"])
         return auth, json.dumps(data["payload"]).encode()
 
-    def _verify(self, auth: AuthData) -> None:
+    def _verify(self, auth: AuthData, path: str) -> None:
         state = self.state
         key = state.public_key
         workload = auth.workload
@@ -233,7 +245,20 @@ class WorkerMiddleware:
                 workload=workload,
                 reqnum=auth.reqnum,
             )
-        state.replay.add(auth.reqnum)
+        mismatch = route_mismatch(auth, path)
+        if mismatch is not None:
+            # Not remembered as seen: it was not served, and the route it was signed for may
+            # still come.
+            raise Refusal(
+                401,
+                "authentication_error",
+                f"Refused reqnum {auth.reqnum}: {mismatch}. A signature is good only for the "
+                "route it was signed for.",
+                event="wrong_route",
+                workload=workload,
+                reqnum=auth.reqnum,
+            )
+        state.accepted(auth.reqnum, auth.request_idx, path)
 
     async def _refuse(self, scope: Scope, send: Send, refusal: Refusal) -> None:
         state = self.state
@@ -351,6 +376,16 @@ class WorkerMiddleware:
             status = 503
         body = json.dumps(health).encode()
         await _respond(send, status, b"" if scope["method"] == "HEAD" else body)
+
+
+def _too_deep() -> Refusal:
+    return Refusal(
+        400,
+        "invalid_request_error",
+        f"Request body nests arrays and objects more than {MAX_BODY_DEPTH} levels deep "
+        "(the auth_data/payload wrapper included); send a flatter body.",
+        event="rejected",
+    )
 
 
 def _replay_body(body: bytes, gone: bool, receive: Receive) -> Receive:

@@ -1,4 +1,5 @@
-"""The ``worker_events`` rows (migrations/006_worker.sql), written through the AuditLog."""
+"""The ``worker_events`` rows (migrations/006_worker.sql) and ``worker_seen`` rows
+(migrations/012_worker_seen.sql), written through the AuditLog."""
 
 from __future__ import annotations
 
@@ -33,4 +34,23 @@ class WorkerEventRecord:
             "status": self.status,
             "message": self.message,
             "data": None if self.data is None else json.dumps(self.data, sort_keys=True),
+        }
+
+
+@dataclass(frozen=True)
+class WorkerSeenRecord:
+    """A signed request accepted: its number is remembered across restarts against replays."""
+
+    table: ClassVar[str] = "worker_seen"
+    at: float
+    reqnum: int
+    request_idx: int
+    path: str
+
+    def row(self, to_unix: ToUnix) -> dict[str, Any]:
+        return {
+            "at": to_unix(self.at),
+            "reqnum": self.reqnum,
+            "request_idx": self.request_idx,
+            "path": self.path,
         }

@@ -14,9 +14,10 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from .auth import ReplayGuard
 from .ledger import Ledger
-from .records import WorkerEventRecord
+from .records import WorkerEventRecord, WorkerSeenRecord
 
 if TYPE_CHECKING:
+    from ..audit.records import AuditRecord
     from ..config import Settings
 
 log = logging.getLogger("thunderproxy.worker")
@@ -100,7 +101,7 @@ class WorkerState:
     def __init__(
         self,
         config: WorkerConfig,
-        record: Callable[[WorkerEventRecord], None] = lambda _r: None,
+        record: Callable[[AuditRecord], None] = lambda _r: None,
     ) -> None:
         self.config = config
         self.ledger = Ledger()
@@ -123,6 +124,12 @@ class WorkerState:
     def event(self, event: str, message: str | None = None, **fields: Any) -> None:
         record = WorkerEventRecord(at=trio.current_time(), event=event, message=message, **fields)
         self._record(record)
+
+    def accepted(self, reqnum: int, request_idx: int, path: str) -> None:
+        """A signed request passed every check: remember its number, here and in the audit db
+        (read back at the next start, so a replay after a restart is refused too)."""
+        self.replay.add(reqnum)
+        self._record(WorkerSeenRecord(trio.current_time(), reqnum, request_idx, path))
 
     @property
     def secured(self) -> bool:
