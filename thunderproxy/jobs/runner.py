@@ -5,6 +5,11 @@ resumes the jobs a previous run left unfinished, from their last completed stage
 A job outlives the HTTP request that started it: the client may leave and come back with
 ``after=N``. Shutdown cancels running jobs where they stand; their rows still say which
 stage they were in, so the next start picks them up.
+
+A job fails alone: whatever ends it, nothing escapes to the runner's nursery. A job whose events
+cannot be written (``StoreUnavailable``, after the store's retries) ends with an ``error`` event
+that only its live followers see, saying so; its row keeps the last stage it recorded, so the
+next start resumes it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import trio
 from ..errors import InvalidRequest
 from . import council, pipeline
 from .council import MemberAnswer, MemberRanking
-from .errors import JobFailed, JobRunning
+from .errors import JobFailed, JobRunning, StoreUnavailable
 from .llm import ChatClient
 from .pipeline import CouncilConfig
 from .store import Event, JobStore
@@ -42,6 +47,8 @@ class LiveJob:
     changed: trio.Event = field(default_factory=trio.Event)
     finished: bool = False
     done: trio.Event = field(default_factory=trio.Event)
+    #: Why the job ended unrecorded: its last events could not be written (None: recorded).
+    unrecorded: str | None = None
 
     def notify(self) -> None:
         self.changed.set()
@@ -77,6 +84,7 @@ class CouncilRunner:
     ) -> None:
         """Run jobs until cancelled or ``shutdown`` is set; resumes unfinished jobs first."""
         self.client = client
+        self.stopped = False
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -170,10 +178,13 @@ class CouncilRunner:
             if quiet.cancelled_caught:
                 yield None
 
-    async def wait(self, job_id: str) -> None:
+    async def wait(self, job_id: str) -> str | None:
+        """Wait for the job to end; returns why it ended unrecorded, else None."""
         live = self.live.get(job_id)
-        if live is not None:
-            await live.done.wait()
+        if live is None:
+            return None
+        await live.done.wait()
+        return live.unrecorded
 
     # --- one job ---------------------------------------------------------------------------------
     async def _run(self, job: dict[str, Any], live: LiveJob) -> None:
@@ -202,27 +213,41 @@ class CouncilRunner:
                 for model in sorted(models):
                     await client.release(pipeline.program_id(job_id, model))
 
+        async def fail(message: str) -> None:
+            with trio.CancelScope(shield=True):
+                try:
+                    await release()
+                    await emit("error", {"message": message})
+                    await self.store.update_job(
+                        job_id, status="error", error=message, finished_at=self.store.now()
+                    )
+                except Exception as exc:
+                    # The end cannot be written either: tell the live followers, not durably.
+                    # The row still names the last stage recorded; the next start resumes it.
+                    cause = exc.message if isinstance(exc, StoreUnavailable) else repr(exc)
+                    log.error("council job %s ended unrecorded: %s", job_id, cause)
+                    text = message if cause in message else f"{message} (not recorded: {cause})"
+                    live.unrecorded = text
+                    live.events.append(
+                        Event(job_id, len(live.events) + 1, self.store.now(), "error",
+                              {"message": text, "recorded": False})
+                    )  # fmt: skip
+
         try:
             await self._stages(job, emit)
             await release()
             await self.store.update_job(job_id, status="complete", finished_at=self.store.now())
             await emit("complete", {})
         except JobFailed as exc:
-            with trio.CancelScope(shield=True):
-                await release()
-                await emit("error", {"message": exc.message})
-                await self.store.update_job(
-                    job_id, status="error", error=exc.message, finished_at=self.store.now()
-                )
+            await fail(exc.message)
+        except StoreUnavailable as exc:
+            await fail(
+                "The council job stopped: it could not record its progress in the audit db. "
+                + exc.message
+            )
         except Exception as exc:
             log.exception("council job %s failed", job_id)
-            message = f"The council job failed unexpectedly: {exc!r}; see the proxy's log."
-            with trio.CancelScope(shield=True):
-                await release()
-                await emit("error", {"message": message})
-                await self.store.update_job(
-                    job_id, status="error", error=message, finished_at=self.store.now()
-                )
+            await fail(f"The council job failed unexpectedly: {exc!r}; see the proxy's log.")
         finally:
             live.finished = True
             self.live.pop(job_id, None)
