@@ -400,15 +400,18 @@ async def serve_audit_writer(
     run_info: Mapping[str, Any],
     queue_size: int = 10_000,
     components: Components | None = None,
-    check_interval: float = DB_CHECK_INTERVAL_S,
+    check_interval: float | None = None,
     task_status: trio.TaskStatus[AuditLog] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Own the audit db: migrate it, then write batches until the AuditLog is closed.
 
     ``task_status.started(audit_log)`` is called once the schema is current and this run's row
     exists, so producers can record from the first request on. The write loop runs as the
-    supervised component ``audit_writer`` of ``components`` (a registry of its own if None).
+    supervised component ``audit_writer`` of ``components`` (a registry of its own if None);
+    it checks the db file every ``check_interval`` seconds (``DB_CHECK_INTERVAL_S`` if None).
     """
+    if check_interval is None:
+        check_interval = DB_CHECK_INTERVAL_S
     clock = WallClock()
     conn = await trio.to_thread.run_sync(open_database, path)
     identity = file_identity(path) if path != ":memory:" else None

@@ -15,6 +15,7 @@ next start resumes it.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ log = logging.getLogger("thunderproxy.council")
 
 #: How long a job's programs may take to be released once it ends.
 RELEASE_GRACE_S = 5.0
+#: Jobs that ended unrecorded whose last event is kept in memory for followers that come late.
+UNRECORDED_KEPT = 256
 
 
 @dataclass
@@ -73,6 +76,8 @@ class CouncilRunner:
         self._by_conversation: dict[str, str] = {}
         self._nursery: trio.Nursery | None = None
         self.stopped = False
+        #: The last (unrecorded) event of the latest jobs that could not record their end.
+        self._unrecorded: OrderedDict[str, Event] = OrderedDict()
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def serve(
@@ -161,8 +166,16 @@ class CouncilRunner:
         it ends; ``None`` every ``keepalive_s`` of silence (a keepalive comment)."""
         live = self.live.get(job_id)
         if live is None:
-            for event in await self.store.events(job_id, after):
-                yield event
+            last = self._unrecorded.get(job_id)
+            try:
+                for event in await self.store.events(job_id, after):
+                    yield event
+                    after = event.seq
+            except StoreUnavailable:
+                if last is None:
+                    raise
+            if last is not None and last.seq > after:
+                yield last
             return
         while True:
             while after < len(live.events):
@@ -182,7 +195,8 @@ class CouncilRunner:
         """Wait for the job to end; returns why it ended unrecorded, else None."""
         live = self.live.get(job_id)
         if live is None:
-            return None
+            last = self._unrecorded.get(job_id)
+            return None if last is None else str(last.data["message"])
         await live.done.wait()
         return live.unrecorded
 
@@ -228,10 +242,12 @@ class CouncilRunner:
                     log.error("council job %s ended unrecorded: %s", job_id, cause)
                     text = message if cause in message else f"{message} (not recorded: {cause})"
                     live.unrecorded = text
-                    live.events.append(
-                        Event(job_id, len(live.events) + 1, self.store.now(), "error",
-                              {"message": text, "recorded": False})
-                    )  # fmt: skip
+                    last = Event(job_id, len(live.events) + 1, self.store.now(), "error",
+                                 {"message": text, "recorded": False})  # fmt: skip
+                    live.events.append(last)
+                    self._unrecorded[job_id] = last
+                    while len(self._unrecorded) > UNRECORDED_KEPT:
+                        self._unrecorded.popitem(last=False)
 
         try:
             await self._stages(job, emit)
