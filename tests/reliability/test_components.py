@@ -16,6 +16,7 @@ import trio
 
 from tests.conftest import query
 from tests.jobs.helpers import MODELS, council_proxy, new_conversation, read_sse
+from tests.reliability.test_audit_rows import step
 from thunderproxy.audit import writer
 from thunderproxy.jobs import store as job_store
 from thunderproxy.scheduling.scheduler import Scheduler
@@ -226,3 +227,29 @@ async def test_a_deleted_audit_db_is_noticed_reported_and_created_again(
     assert steps == [{"run_id": run_id, "status": 200}]
     saved = query(db, "SELECT id FROM council_conversations")
     assert [c["id"] for c in saved] == [conversation]
+
+
+async def test_a_stop_while_the_write_lock_is_held_ends_within_the_flush_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer, "BUSY_TIMEOUT_MS", 20)
+    monkeypatch.setattr(writer, "FLUSH_GRACE_S", 0.5)
+    db = tmp_path / "held.db"
+    holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            audit: writer.AuditLog = await nursery.start(
+                lambda task_status: writer.serve_audit_writer(
+                    str(db), run_info={}, task_status=task_status
+                )
+            )
+            await trio.to_thread.run_sync(holder.execute, "BEGIN EXCLUSIVE")
+            audit.record(step(request_id="waits"))
+            while audit.busy_retries < 2:
+                await trio.sleep(0.01)
+            # The lock is never released: the stop gives up after its grace, counting the row.
+            await audit.aclose()
+    holder.execute("ROLLBACK")
+    holder.close()
+    assert audit.written == 0
+    assert audit.dropped_by_cause == {writer.BUSY_AT_STOP: 1}

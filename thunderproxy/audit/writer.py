@@ -132,6 +132,9 @@ class AuditLog:
         #: Bumped each time the db file is opened again: other connections to the same file
         #: (the council's store) reconnect when it changes.
         self.generation = 0
+        #: Set by ``aclose``: a batch waiting for the write lock waits no longer than the
+        #: stop's flush grace.
+        self.closing = False
         #: Called with every record, kept or dropped: the proxy's counters learn here, in the
         #: one place every step and transition passes (statistics.Counters).
         self.observers: list[Callable[[AuditRecord], None]] = []
@@ -193,6 +196,7 @@ class AuditLog:
 
     async def aclose(self) -> None:
         """No more records; the writer flushes what it has and returns."""
+        self.closing = True
         await self._send.aclose()
 
 
@@ -424,9 +428,10 @@ async def serve_audit_writer(
     pending: list[AuditRecord] = []
     busy_pause = BUSY_PAUSE_S
 
-    async def flush() -> None:
+    async def flush(*, stopping: bool = False) -> None:
         """Write ``pending``; a batch refused for the write lock stays pending and is tried
-        again after a pause (the pause is where a stop may cancel the wait)."""
+        again after a pause (the pause is where a stop may cancel the wait). Once the log is
+        closing, only the stop's flush (``stopping``, bounded by its grace) keeps trying."""
         nonlocal busy_pause
         while pending:
             batch = pending[:]
@@ -442,6 +447,8 @@ async def serve_audit_writer(
                         path,
                     )
                 audit.busy_retries += 1
+                if audit.closing and not stopping:
+                    return
                 await trio.sleep(busy_pause)
                 busy_pause = min(BUSY_MAX_PAUSE_S, busy_pause * 2)
                 continue
@@ -533,6 +540,8 @@ async def serve_audit_writer(
                 except trio.EndOfChannel:
                     return
             await flush()
+            if pending:
+                return  # closing while the lock is held: the stop's flush takes over
             if identity is not None and trio.current_time() >= next_check:
                 await check_file()
                 next_check = trio.current_time() + check_interval
@@ -549,7 +558,7 @@ async def serve_audit_writer(
                 except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                     break
             receive.close()
-            await flush()
+            await flush(stopping=True)
         if pending:
             for _ in pending:
                 audit.count_dropped(BUSY_AT_STOP)
