@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from thunderproxy.supervision import (
+    STABLE_AFTER_S,
     Components,
     Restart,
     State,
@@ -101,3 +102,30 @@ async def test_cancellation_is_not_a_failure(autojump_clock: trio.testing.MockCl
     (component,) = components.snapshot()
     assert component.state is State.RUNNING
     assert component.failures == 0
+
+
+async def test_failures_in_a_row_are_forgotten_after_a_stable_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    components = Components()
+    starts: list[float] = []
+    runs = [0.0, 0.0, STABLE_AFTER_S + 1.0, 0.0]
+    done = trio.Event()
+
+    async def service(*, task_status: trio.TaskStatus[None]) -> None:
+        starts.append(trio.current_time())
+        task_status.started()
+        if len(starts) > len(runs):
+            done.set()
+            await trio.sleep_forever()
+        await trio.sleep(runs[len(starts) - 1])
+        raise RuntimeError("again")
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervised(components, "s", service, restart=Restart(initial_s=1.0)))
+        await done.wait()
+        nursery.cancel_scope.cancel()
+    gaps = [round(b - a, 6) for a, b in zip(starts, starts[1:], strict=False)]
+    # 1 s, 2 s; then, after a stable run, the first backoff again (plus the run itself).
+    assert gaps == [1.0, 2.0, STABLE_AFTER_S + 1.0 + 1.0, 2.0]
+    assert components.snapshot()[0].restarts == 4

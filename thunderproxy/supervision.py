@@ -174,6 +174,7 @@ async def supervise(
             now = trio.current_time()
             if status.started_at is not None and now - status.started_at >= STABLE_AFTER_S:
                 component.failures = 0
+                last_logged = None  # a fault after a stable run is news again
             component.failures += 1
             component.last_error = describe_failure(exc)
             component.last_error_at = now
