@@ -253,3 +253,40 @@ async def test_a_stop_while_the_write_lock_is_held_ends_within_the_flush_grace(
     holder.close()
     assert audit.written == 0
     assert audit.dropped_by_cause == {writer.BUSY_AT_STOP: 1}
+
+
+async def test_a_db_replaced_by_another_file_is_opened_again_under_a_free_run_id(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "audit.db"
+    other = tmp_path / "other.db"
+    async with trio.open_nursery() as nursery:
+        audit: writer.AuditLog = await nursery.start(
+            lambda task_status: writer.serve_audit_writer(
+                str(db), run_info={}, check_interval=0.05, task_status=task_status
+            )
+        )
+        assert audit.run_id == 1
+        audit.record(step(request_id="before"))
+        with trio.fail_after(10):
+            while audit.written < 1:
+                await trio.sleep(0.01)
+        # Another db, whose run 1 is someone else's, moved over ours.
+        conn = writer.open_database(str(other))
+        with conn:
+            conn.execute(
+                "INSERT INTO runs (started_at, version, router, backends, settings) "
+                "VALUES (0, 'x', 'x', '', '{}')"
+            )
+        conn.close()
+        os.replace(other, db)
+        with trio.fail_after(10):
+            while audit.db_recreated < 1:
+                await trio.sleep(0.01)
+        assert "was replaced" in (audit.statistics().degraded or "")
+        assert audit.run_id == 2
+        audit.record(step(request_id="after"))
+        await audit.aclose()
+    assert [r["request_id"] for r in query(db, "SELECT request_id FROM steps")] == ["after"]
+    assert query(db, "SELECT run_id FROM steps")[0]["run_id"] == 2
+    assert [r["version"] for r in query(db, "SELECT version FROM runs ORDER BY id")] == ["x", ""]
