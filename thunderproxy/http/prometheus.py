@@ -93,7 +93,7 @@ class _SnapshotCollector(Collector):
         )
         yield CounterMetricFamily(
             f"{PREFIX}_audit_rows_dropped",
-            "Audit rows dropped because the writer's queue was full.",
+            "Audit rows lost: refused by a full queue or by SQLite (audit.dropped_by_cause).",
             value=s.audit_rows_dropped,
         )
 
