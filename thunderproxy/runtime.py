@@ -9,6 +9,10 @@ reports readiness through ``task_status.started()``; ``run`` itself reports once
 Stop order, on SIGINT/SIGTERM or ``shutdown.set()``: Hypercorn stops accepting and drains
 in-flight requests for up to ``shutdown_grace`` seconds; then the pollers are cancelled, the audit
 channel is closed, and the writer flushes every accepted row before the nursery exits.
+
+Every background service is a supervised component (``_component``, ``supervision.py``): a
+failure after it started is its own (logged, shown in /health and /metrics, restarted with
+backoff), so only a signal or a fatal startup error stops ``run``.
 """
 
 from __future__ import annotations

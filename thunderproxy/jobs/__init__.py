@@ -77,8 +77,11 @@ class Council:
     blueprint: Blueprint
 
     async def aclose(self) -> None:
-        """Close the store; the runtime calls it once the HTTP server has drained (the routes
-        read the store until then) and the runner is stopped."""
+        """Close the store once the runner has stopped; the runtime calls it after the HTTP
+        server has drained (the routes read the store until then) and the runner is
+        cancelled."""
+        with trio.CancelScope(shield=True):
+            await self.runner.wait_idle()
         await self.store.aclose()
 
 

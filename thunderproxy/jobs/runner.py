@@ -8,8 +8,9 @@ stage they were in, so the next start picks them up.
 
 A job fails alone: whatever ends it, nothing escapes to the runner's nursery. A job whose events
 cannot be written (``StoreUnavailable``, after the store's retries) ends with an ``error`` event
-that only its live followers see, saying so; its row keeps the last stage it recorded, so the
-next start resumes it.
+kept in memory only (its live followers see it, and for the last ``UNRECORDED_KEPT`` such jobs
+a follower that comes later); its row keeps the last stage it recorded, so the next start
+resumes it.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class CouncilRunner:
         self.stopped = False
         #: The last (unrecorded) event of the latest jobs that could not record their end.
         self._unrecorded: OrderedDict[str, Event] = OrderedDict()
+        #: Set while no ``serve`` runs (so every job has ended and no write is in flight).
+        self._idle = trio.Event()
+        self._idle.set()
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def serve(
@@ -90,6 +94,7 @@ class CouncilRunner:
         """Run jobs until cancelled or ``shutdown`` is set; resumes unfinished jobs first."""
         self.client = client
         self.stopped = False
+        self._idle = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -109,12 +114,17 @@ class CouncilRunner:
         finally:
             self.stopped = True
             self._nursery = None
+            self._idle.set()
             for live in list(self.live.values()):
                 live.notify()
 
     @property
     def ready(self) -> bool:
         return self._nursery is not None
+
+    async def wait_idle(self) -> None:
+        """Until no ``serve`` runs: every job has ended, none is writing."""
+        await self._idle.wait()
 
     # --- starting and following ------------------------------------------------------------------
     def running_job(self, conversation_id: str) -> str | None:
