@@ -63,13 +63,16 @@ async def test_a_crashing_component_restarts_and_shows_in_health(
         council_proxy(tmp_path / "a.db", monitor_interval=0.05) as (proxy, _sim),
         httpx.AsyncClient(base_url=proxy.url) as client,
     ):
+        # Each start fails at once, so the monitor spends its time waiting out its backoff.
         body = await health_until(
-            client, lambda b: b["components"]["resume_monitor"]["failures"] >= 1
+            client, lambda b: b["components"]["resume_monitor"]["state"] == "restarting"
         )
         monitor = body["components"]["resume_monitor"]
         assert monitor["last_error"] == "RuntimeError: tick exploded"
-        if monitor["state"] == "restarting":
-            assert body["status"] == "degraded"
+        assert body["status"] == "degraded"
+        assert any("resume_monitor restarting" in reason for reason in body["degraded"])
+        exposition = (await client.get("/metrics/prometheus")).text
+        assert 'thunderproxy_component_up{component="resume_monitor"} 0.0' in exposition
         # The rest of the proxy serves on.
         await chat_served(client)
         assert body["components"]["council"]["state"] == "running"
