@@ -20,6 +20,7 @@ from tests.reliability.test_audit_rows import step
 from thunderproxy.audit import writer
 from thunderproxy.jobs import store as job_store
 from thunderproxy.scheduling.scheduler import Scheduler
+from thunderproxy.supervision import Components, State
 
 CHAT = {"model": MODELS[0], "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 
@@ -293,3 +294,42 @@ async def test_a_db_replaced_by_another_file_is_opened_again_under_a_free_run_id
     assert [r["request_id"] for r in query(db, "SELECT request_id FROM steps")] == ["after"]
     assert query(db, "SELECT run_id FROM steps")[0]["run_id"] == 2
     assert [r["version"] for r in query(db, "SELECT version FROM runs ORDER BY id")] == ["x", ""]
+
+
+async def test_the_audit_writer_restarts_after_a_failure_and_keeps_every_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = tmp_path / "audit.db"
+    components = Components()
+    real_identity = writer.file_identity
+    failed: list[str] = []
+
+    def identity(path: str) -> tuple[int, int] | None:
+        if not failed:
+            failed.append(path)
+            raise OSError("stat failed")
+        return real_identity(path)
+
+    async with trio.open_nursery() as nursery:
+        audit: writer.AuditLog = await nursery.start(
+            lambda task_status: writer.serve_audit_writer(
+                str(db),
+                run_info={},
+                components=components,
+                check_interval=0.05,
+                task_status=task_status,
+            )
+        )
+        monkeypatch.setattr(writer, "file_identity", identity)
+        audit.record(step(request_id="one"))
+        with trio.fail_after(10):
+            while not components.snapshot()[0].restarts:
+                await trio.sleep(0.01)
+        audit.record(step(request_id="two"))
+        await audit.aclose()
+    (component,) = components.snapshot()
+    assert component.name == "audit_writer"
+    assert component.last_error == "OSError: stat failed"
+    assert component.state is State.STOPPED
+    rows = query(db, "SELECT request_id FROM steps ORDER BY id")
+    assert [r["request_id"] for r in rows] == ["one", "two"]
