@@ -9,6 +9,10 @@ reports readiness through ``task_status.started()``; ``run`` itself reports once
 Stop order, on SIGINT/SIGTERM/SIGHUP or ``shutdown.set()``: Hypercorn stops accepting and drains
 in-flight requests for up to ``shutdown_grace`` seconds; then the pollers are cancelled, the audit
 channel is closed, and the writer flushes every accepted row before the nursery exits.
+
+Every background service is a supervised component (``_component``, ``supervision.py``): a
+failure after it started is its own (logged, shown in /health and /metrics, restarted with
+backoff), so only a signal or a fatal startup error stops ``run``.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from .programs.recognition import ProgramRecognizer, RecognitionConfig
 from .scheduling import Scheduler, policy_named
 from .scheduling.scheduler import serve_resume_monitor
 from .statistics import Counters
+from .supervision import RESTART, Components, Restart, supervised
 from .worker import (
     WorkerMiddleware,
     WorkerState,
@@ -183,6 +188,19 @@ async def _in_scope(
         await service(task_status=task_status)
 
 
+def _component(
+    background: Background,
+    components: Components,
+    name: str,
+    service: Callable[..., Awaitable[Any]],
+    restart: Restart = RESTART,
+) -> Callable[..., Awaitable[None]]:
+    """A background service as a supervised component (``supervision.py``): its failure after
+    it started is its own (logged, shown in /health and /metrics, restarted with backoff),
+    never the nursery's; it stops with the other background services."""
+    return partial(_in_scope, background, supervised(components, name, service, restart=restart))
+
+
 async def _stop_on_signals(
     shutdown: trio.Event, force: trio.CancelScope, background: Background
 ) -> None:
@@ -261,6 +279,7 @@ async def run(
         listener.close()
         raise
     background = Background()
+    components = Components()
     clock = WallClock()
     pool_ctx = open_backend_pool(
         connect_timeout=settings.connect_timeout,
@@ -285,6 +304,7 @@ async def run(
                     settings.db,
                     run_info=run_info,
                     queue_size=settings.audit_queue,
+                    components=components,
                 )
             )
             registry = ProgramRegistry(lambda t: audit.record(TransitionRecord(t)))
@@ -316,9 +336,12 @@ async def run(
             )
             if kv is not None:
                 await nursery.start(
-                    _in_scope,
-                    background,
-                    partial(kv.serve, clock.unix(0.0), scheduler.used_by_backend),
+                    _component(
+                        background,
+                        components,
+                        "shared_kv",
+                        partial(kv.serve, clock.unix(0.0), scheduler.used_by_backend),
+                    )
                 )
             admission = None
             if settings.limits is not None:
@@ -342,9 +365,12 @@ async def run(
                 if shared is not None:
                     # The first heartbeat sets this instance's share before any call is admitted.
                     await nursery.start(
-                        _in_scope,
-                        background,
-                        partial(shared.serve, clock.unix(0.0), admission.limiter.set_share),
+                        _component(
+                            background,
+                            components,
+                            "shared_limits",
+                            partial(shared.serve, clock.unix(0.0), admission.limiter.set_share),
+                        )
                     )
             gateway = Gateway(
                 pool=pool,
@@ -377,10 +403,11 @@ async def run(
                 readiness=readiness,
                 recognizer=ProgramRecognizer(recognition_config(settings)),
                 counters=counters,
+                components=components,
             )
             if handle_signals:
                 nursery.start_soon(_stop_on_signals, shutdown, force, background)
-            council = await open_council(settings)
+            council = await open_council(settings, db_generation=lambda: audit.generation)
 
             async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 app = create_app(services)
@@ -415,6 +442,7 @@ async def run(
                         )
                 # Requests are drained: stop the pollers, then let the writer flush.
                 background.cancel()
+                await council.aclose()
                 await audit.aclose()
 
             binds: list[str] = await nursery.start(serve_http)
@@ -425,52 +453,66 @@ async def run(
                 # Reports and the beacon run from now on; the worker waits for the backends
                 # itself, up to --worker-ready-timeout, and benchmarks them.
                 await nursery.start(
-                    _in_scope,
-                    background,
-                    partial(
-                        serve_worker,
-                        worker,
-                        pool,
-                        url=binds[0],
-                        signals=signals_from_services(services),
-                    ),
+                    _component(
+                        background,
+                        components,
+                        "worker",
+                        partial(
+                            serve_worker,
+                            worker,
+                            pool,
+                            url=binds[0],
+                            signals=signals_from_services(services),
+                        ),
+                    )
                 )
             with background.scope():
                 # A stop while starting ends the wait at once.
                 if worker is None:
                     await _wait_for_backends(pool, settings.ready_timeout)
                 await nursery.start(
-                    _in_scope,
-                    background,
-                    partial(
-                        serve_metrics_poller,
-                        pool,
-                        audit,
-                        interval=settings.metrics_interval,
-                        loads=registry.sample_loads,
-                        metrics=settings.metrics,
-                    ),
+                    _component(
+                        background,
+                        components,
+                        "metrics_poller",
+                        partial(
+                            serve_metrics_poller,
+                            pool,
+                            audit,
+                            interval=settings.metrics_interval,
+                            loads=registry.sample_loads,
+                            metrics=settings.metrics,
+                        ),
+                    )
                 )
                 await nursery.start(
-                    _in_scope,
-                    background,
-                    partial(serve_resume_monitor, scheduler, interval=settings.monitor_interval),
+                    _component(
+                        background,
+                        components,
+                        "resume_monitor",
+                        partial(
+                            serve_resume_monitor, scheduler, interval=settings.monitor_interval
+                        ),
+                    )
                 )
             if background.cancelled:
                 return
             readiness.set_ready()
             # Council jobs call the proxy's own URL: they start (or resume) once it serves.
             await nursery.start(
-                _in_scope,
-                background,
-                partial(
-                    serve_council,
-                    council,
-                    settings,
-                    binds[0],
-                    shutdown=shutdown,
-                    client=GatewayChatClient(gateway),
-                ),
+                _component(
+                    background,
+                    components,
+                    "council",
+                    partial(
+                        serve_council,
+                        council,
+                        settings,
+                        binds[0],
+                        shutdown=shutdown,
+                        client=GatewayChatClient(gateway),
+                    ),
+                )
             )
             log.info(
                 "thunderproxy %s %s %s (router=%s, backends=%s, db=%s)",

@@ -15,6 +15,7 @@ from .backends import BackendPool
 from .backends.metrics import EngineSnapshot
 from .programs import ProgramRegistry, ProgramStatus
 from .programs.registry import BackendLoad
+from .supervision import ComponentStatistics
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,21 @@ class Statistics:
     admission: Mapping[str, Any] | None = None
     #: The KV claims shared with other instances through Redis; None without --redis.
     shared_kv: Mapping[str, Any] | None = None
+    #: The supervised long-lived components (supervision.py).
+    components: tuple[ComponentStatistics, ...] = ()
 
     @property
     def healthy_backends(self) -> list[str]:
         return [b.url for b in self.backends if b.healthy]
+
+    @property
+    def degraded(self) -> list[str]:
+        """What keeps the proxy from being fully well, besides its backends: a component
+        failed or waiting to restart, an audit db lost under it (``/health``'s ``degraded``)."""
+        reasons = [f"{c.name} {c.state.value}: {c.last_error}" for c in self.components if not c.up]
+        if self.audit.degraded is not None:
+            reasons.append(self.audit.degraded)
+        return reasons
 
 
 def take(
@@ -58,6 +70,7 @@ def take(
     audit: AuditStatistics,
     admission: Mapping[str, Any] | None = None,
     shared_kv: Mapping[str, Any] | None = None,
+    components: tuple[ComponentStatistics, ...] = (),
 ) -> Statistics:
     loads = registry.load_by_backend()
     return Statistics(
@@ -80,4 +93,5 @@ def take(
         audit=audit,
         admission=admission,
         shared_kv=shared_kv,
+        components=components,
     )

@@ -135,6 +135,14 @@ class ProxyStatistics:
     resumes: int = 0
     audit_rows_written: int = 0
     audit_rows_dropped: int = 0
+    #: Audit batches tried again after SQLite's write lock stayed held past the busy timeout.
+    audit_busy_retries: int = 0
+    #: Audit db files found deleted or replaced and created again; 1 while that degrades.
+    audit_db_recreated: int = 0
+    audit_degraded: bool = False
+    #: The supervised components: 1 if up (starting or running), and restarts so far.
+    components_up: Mapping[str, int] = field(default_factory=lambda: _frozen(None))
+    component_restarts: Mapping[str, int] = field(default_factory=lambda: _frozen(None))
     histograms: Mapping[str, HistogramSnapshot] = field(
         default_factory=lambda: Histograms().snapshot()
     )
@@ -143,6 +151,8 @@ class ProxyStatistics:
         # Callers pass plain dicts; keep read-only copies so the snapshot cannot change later.
         object.__setattr__(self, "programs_by_state", _frozen(self.programs_by_state))
         object.__setattr__(self, "steps_by_status", _frozen(self.steps_by_status))
+        object.__setattr__(self, "components_up", _frozen(self.components_up))
+        object.__setattr__(self, "component_restarts", _frozen(self.component_restarts))
         object.__setattr__(self, "histograms", MappingProxyType(dict(self.histograms)))
 
 
@@ -181,6 +191,11 @@ def from_snapshot(
         resumes=resumes,
         audit_rows_written=snapshot.audit.written,
         audit_rows_dropped=snapshot.audit.dropped,
+        audit_busy_retries=snapshot.audit.busy_retries,
+        audit_db_recreated=snapshot.audit.db_recreated,
+        audit_degraded=snapshot.audit.degraded is not None,
+        components_up={c.name: int(c.up) for c in snapshot.components},
+        component_restarts={c.name: c.restarts for c in snapshot.components},
         histograms=histograms if histograms is not None else Histograms().snapshot(),
     )
 

@@ -8,10 +8,26 @@ is written before the writer returns.
 Nothing a row holds can stop the writer: values are made storable first (``sanitize``), and a
 batch SQLite still refuses is retried row by row; a row refused on its own is dropped, counted
 under its cause and logged once per cause.
+
+Write-lock contention is waited out, not dropped: a batch refused because another connection
+holds the write lock past the busy timeout (a backup, a VACUUM) is tried again, whole, after a
+growing pause, each try counted (``busy_retries``); records meanwhile wait in the channel.
+
+The db file is watched: every ``DB_CHECK_INTERVAL_S`` the writer compares the file at the path
+with the one it has open (device and inode). A file deleted or replaced under it is logged as an
+error, counted (``db_recreated``), shown as ``degraded`` in ``/health`` for
+``DB_LOST_DEGRADED_S``, and the db is opened again at the path, migrated, with this run's
+``runs`` row written again under the same run id (a new id only where the file found there
+already has a run with that id). Rows the writer wrote between the loss and its check went to
+the lost file.
+
+The write loop is a supervised component (``audit_writer``, ``supervision.py``): an unexpected
+failure restarts it with the same channel, so no producer ever sees it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +43,7 @@ import trio
 
 from ..clock import WallClock
 from ..errors import AuditError, ConfigError
+from ..supervision import Components, supervise
 from . import migrations
 from .records import AuditRecord, ToUnix
 from .sanitize import normalise_row, refusal_cause
@@ -43,6 +60,18 @@ QUEUE_FULL = "queue full (raise --audit-queue)"
 #: Distinct drop causes kept apart; any further cause is counted under OTHER_CAUSE.
 MAX_CAUSES = 64
 OTHER_CAUSE = "other"
+#: SQLite's busy timeout: how long one statement waits for another connection's write lock.
+BUSY_TIMEOUT_MS = 5000
+#: The pause before a batch refused for the write lock is tried again, doubled per refusal in a
+#: row up to the maximum (on top of the busy timeout each try waits).
+BUSY_PAUSE_S = 0.1
+BUSY_MAX_PAUSE_S = 2.0
+#: The cause records are dropped under when the lock is still held as the stop's flush ends.
+BUSY_AT_STOP = "database is locked (held past the stop's flush grace)"
+#: How often the writer checks that the file at --db is the one it has open.
+DB_CHECK_INTERVAL_S = 1.0
+#: How long /health says ``degraded`` after a deleted or replaced db was noticed.
+DB_LOST_DEGRADED_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -59,9 +88,18 @@ class AuditStatistics:
     batches: int
     invalid: int = 0
     dropped_by_cause: Mapping[str, int] = field(default_factory=dict)
+    #: Tries of a batch again after SQLite's write lock stayed held past the busy timeout.
+    busy_retries: int = 0
+    #: Times the db file was found deleted or replaced and opened again at its path.
+    db_recreated: int = 0
+    #: What happened to the db file last (None: nothing), while it still makes the proxy
+    #: ``degraded`` (``DB_LOST_DEGRADED_S``).
+    degraded: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "status": "ok" if self.degraded is None else "degraded",
+            "problem": self.degraded,
             "accepted": self.accepted,
             "written": self.written,
             "dropped": self.dropped,
@@ -69,6 +107,8 @@ class AuditStatistics:
             "batches": self.batches,
             "invalid": self.invalid,
             "dropped_by_cause": dict(self.dropped_by_cause),
+            "busy_retries": self.busy_retries,
+            "db_recreated": self.db_recreated,
         }
 
 
@@ -84,6 +124,17 @@ class AuditLog:
         self.batches = 0
         self.invalid = 0
         self.dropped_by_cause: dict[str, int] = {}
+        self.busy_retries = 0
+        self.db_recreated = 0
+        #: What happened to the db file last, and when (trio time).
+        self.db_problem: str | None = None
+        self.db_problem_at: float | None = None
+        #: Bumped each time the db file is opened again: other connections to the same file
+        #: (the council's store) reconnect when it changes.
+        self.generation = 0
+        #: Set by ``aclose``: a batch waiting for the write lock waits no longer than the
+        #: stop's flush grace.
+        self.closing = False
         #: Called with every record, kept or dropped: the proxy's counters learn here, in the
         #: one place every step and transition passes (statistics.Counters).
         self.observers: list[Callable[[AuditRecord], None]] = []
@@ -117,8 +168,19 @@ class AuditLog:
             )
         self.dropped_by_cause[cause] += 1
 
+    def degraded(self, now: float) -> str | None:
+        """What makes the audit log degraded at ``now``, or None."""
+        at = self.db_problem_at
+        if at is None or now - at >= DB_LOST_DEGRADED_S:
+            return None
+        return self.db_problem
+
     def statistics(self) -> AuditStatistics:
         queued = self._send.statistics().current_buffer_used
+        try:
+            degraded = self.degraded(trio.current_time())
+        except RuntimeError:  # read outside a trio run (a report after it ended)
+            degraded = self.db_problem
         return AuditStatistics(
             self.accepted,
             self.written,
@@ -127,10 +189,14 @@ class AuditLog:
             self.batches,
             self.invalid,
             dict(self.dropped_by_cause),
+            self.busy_retries,
+            self.db_recreated,
+            degraded,
         )
 
     async def aclose(self) -> None:
         """No more records; the writer flushes what it has and returns."""
+        self.closing = True
         await self._send.aclose()
 
 
@@ -186,7 +252,7 @@ def open_database(path: str) -> sqlite3.Connection:
         conn = sqlite3.connect(path, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA busy_timeout=5000")
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         migrations.apply(conn)
     except sqlite3.Error as exc:
         raise AuditError(f"Cannot open the audit db {path!r}: {exc}") from exc
@@ -200,6 +266,32 @@ class BatchOutcome:
     written: int = 0
     invalid: int = 0
     refused: list[str] = field(default_factory=list)
+    #: Nothing written: another connection held the write lock past the busy timeout.
+    busy: bool = False
+
+
+#: SQLite's primary result codes for a lock held by another connection.
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
+
+
+def is_busy(exc: BaseException) -> bool:
+    """Whether SQLite refused for a lock another connection holds (worth waiting out)."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED)
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``; None if there is none."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (found.st_dev, found.st_ino)
 
 
 class _BatchWriter:
@@ -227,6 +319,8 @@ class _BatchWriter:
         return statement
 
     def write(self, records: list[AuditRecord]) -> BatchOutcome:
+        """Insert ``records``; with ``busy`` set nothing was written and all of them are to be
+        tried again."""
         outcome = BatchOutcome()
         grouped: dict[tuple[str, tuple[str, ...]], list[tuple[Any, ...]]] = defaultdict(list)
         for record in records:
@@ -243,7 +337,9 @@ class _BatchWriter:
             with self.conn:
                 for key, values in grouped.items():
                     self.conn.executemany(self._statement(key), values)
-        except Exception:
+        except Exception as exc:
+            if is_busy(exc):
+                return BatchOutcome(busy=True)
             # Rolled back: find the rows SQLite refuses by writing each on its own.
             for key, values in grouped.items():
                 for value in values:
@@ -259,75 +355,200 @@ class _BatchWriter:
         return outcome
 
 
+def _sidecar_identities(path: str) -> dict[str, tuple[int, int] | None]:
+    """(device, inode) of the db's -wal and -shm files as they are now."""
+    if path == ":memory:":
+        return {}
+    return {suffix: file_identity(path + suffix) for suffix in ("-wal", "-shm")}
+
+
+class _RunRow:
+    """This run's ``runs`` row: written at start, and again into a db file recreated under the
+    writer (same id where the new file has it free)."""
+
+    def __init__(self, run_info: Mapping[str, Any], started_at: float) -> None:
+        self.values = normalise_row(
+            {
+                "started_at": started_at,
+                "version": str(run_info.get("version", "")),
+                "router": str(run_info.get("router", "")),
+                "backends": ",".join(run_info.get("backends", ())),
+                "settings": json.dumps(
+                    dict(run_info.get("settings", {})), default=str, sort_keys=True
+                ),
+            }
+        )[0]
+
+    def insert(self, conn: sqlite3.Connection, run_id: int | None = None) -> int:
+        columns = dict(self.values) if run_id is None else {"id": run_id, **self.values}
+        with conn:
+            cursor = conn.execute(
+                f"INSERT INTO runs ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                tuple(columns.values()),
+            )
+        assert cursor.lastrowid is not None
+        return cursor.lastrowid
+
+    def insert_again(self, conn: sqlite3.Connection, run_id: int) -> int:
+        """The run id to go on with in a recreated file: ``run_id`` unless that file already
+        has a run of that id (a copy of another db put in its place)."""
+        try:
+            return self.insert(conn, run_id)
+        except sqlite3.IntegrityError:
+            return self.insert(conn)
+
+
 async def serve_audit_writer(
     path: str,
     *,
     run_info: Mapping[str, Any],
     queue_size: int = 10_000,
+    components: Components | None = None,
+    check_interval: float | None = None,
     task_status: trio.TaskStatus[AuditLog] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Own the audit db: migrate it, then write batches until the AuditLog is closed.
 
     ``task_status.started(audit_log)`` is called once the schema is current and this run's row
-    exists, so producers can record from the first request on.
+    exists, so producers can record from the first request on. The write loop runs as the
+    supervised component ``audit_writer`` of ``components`` (a registry of its own if None);
+    it checks the db file every ``check_interval`` seconds (``DB_CHECK_INTERVAL_S`` if None).
     """
+    if check_interval is None:
+        check_interval = DB_CHECK_INTERVAL_S
     clock = WallClock()
     conn = await trio.to_thread.run_sync(open_database, path)
-
-    started_at = clock.unix(trio.current_time())
-
-    def start_run() -> int:
-        with conn:
-            cursor = conn.execute(
-                "INSERT INTO runs (started_at, version, router, backends, settings)"
-                " VALUES (?, ?, ?, ?, ?)",
-                tuple(
-                    normalise_row(
-                        {
-                            "started_at": started_at,
-                            "version": str(run_info.get("version", "")),
-                            "router": str(run_info.get("router", "")),
-                            "backends": ",".join(run_info.get("backends", ())),
-                            "settings": json.dumps(
-                                dict(run_info.get("settings", {})), default=str, sort_keys=True
-                            ),
-                        }
-                    )[0].values()
-                ),
-            )
-        assert cursor.lastrowid is not None
-        return cursor.lastrowid
-
-    run_id = await trio.to_thread.run_sync(start_run)
+    identity = file_identity(path) if path != ":memory:" else None
+    sidecars = await trio.to_thread.run_sync(_sidecar_identities, path)
+    run_row = _RunRow(run_info, clock.unix(trio.current_time()))
+    run_id = await trio.to_thread.run_sync(run_row.insert, conn)
     send, receive = trio.open_memory_channel[AuditRecord](queue_size)
     audit = AuditLog(send, run_id)
     writer = _BatchWriter(conn, run_id, clock.unix)
     pending: list[AuditRecord] = []
+    busy_pause = BUSY_PAUSE_S
 
-    async def flush() -> None:
-        if not pending:
+    async def flush(*, stopping: bool = False) -> None:
+        """Write ``pending``; a batch refused for the write lock stays pending and is tried
+        again after a pause (the pause is where a stop may cancel the wait). Once the log is
+        closing, only the stop's flush (``stopping``, bounded by its grace) keeps trying."""
+        nonlocal busy_pause
+        while pending:
+            batch = pending[:]
+            # An accepted batch is written even if the run is being cancelled meanwhile.
+            with trio.CancelScope(shield=True):
+                outcome = await trio.to_thread.run_sync(writer.write, batch)
+            if outcome.busy:
+                if audit.busy_retries == 0:
+                    log.warning(
+                        "audit: the db %r is locked by another connection (a backup or "
+                        "VACUUM?); batches wait and are tried again, counted under "
+                        "audit.busy_retries",
+                        path,
+                    )
+                audit.busy_retries += 1
+                if audit.closing and not stopping:
+                    return
+                await trio.sleep(busy_pause)
+                busy_pause = min(BUSY_MAX_PAUSE_S, busy_pause * 2)
+                continue
+            busy_pause = BUSY_PAUSE_S
+            del pending[: len(batch)]
+            audit.written += outcome.written
+            audit.invalid += outcome.invalid
+            audit.batches += 1
+            for cause in outcome.refused:
+                audit.count_dropped(cause)
+
+    def reopen() -> tuple[sqlite3.Connection, int]:
+        """In a worker thread: open the db again at its path, with this run's row."""
+        nonlocal sidecars
+        try:
+            writer.conn.close()
+        except sqlite3.Error:
+            pass
+        # The lost file's -wal and -shm may still lie at the path (deleted alone, or renamed
+        # away): a new db must not read them as its own, so they go if they are the ones this
+        # writer had (the same device and inode).
+        for suffix, known in sidecars.items():
+            if known is not None and file_identity(path + suffix) == known:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path + suffix)
+        new = open_database(path)
+        try:
+            new_id = run_row.insert_again(new, writer.run_id)
+        except BaseException:
+            new.close()
+            raise
+        sidecars = _sidecar_identities(path)
+        return new, new_id
+
+    async def check_file() -> None:
+        """Notice a db file deleted or replaced under the writer, and open it again."""
+        nonlocal identity
+        found = await trio.to_thread.run_sync(file_identity, path)
+        if found == identity:
             return
-        batch = pending[:]
-        pending.clear()
-        outcome = await trio.to_thread.run_sync(writer.write, batch)
-        audit.written += outcome.written
-        audit.invalid += outcome.invalid
-        audit.batches += 1
-        for cause in outcome.refused:
-            audit.count_dropped(cause)
+        problem = (
+            f"the audit db {path!r} was deleted under the running proxy"
+            if found is None
+            else f"the audit db {path!r} was replaced by another file under the running proxy"
+        )
+        audit.db_problem = problem
+        audit.db_problem_at = trio.current_time()
+        try:
+            with trio.CancelScope(shield=True):
+                conn, new_id = await trio.to_thread.run_sync(reopen)
+        except (AuditError, sqlite3.Error) as exc:
+            log.error(
+                "%s; opening it again failed (%s); trying again in %.0f s; rows written "
+                "meanwhile are lost with the old file",
+                problem,
+                exc,
+                check_interval,
+            )
+            return
+        writer.conn = conn
+        identity = file_identity(path)
+        audit.db_recreated += 1
+        audit.generation += 1
+        if new_id != writer.run_id:
+            log.error("audit: run id %d is taken in the new file; this run goes on as %d",
+                      writer.run_id, new_id)  # fmt: skip
+        writer.run_id = audit.run_id = new_id
+        log.error(
+            "%s; rows written since the last check (%.0f s ago at most) are lost with it. "
+            "Created it again with the migrations and this run's row (run %d); /health says "
+            "degraded for %.0f s. Move or back up the db with the proxy stopped.",
+            problem,
+            check_interval,
+            new_id,
+            DB_LOST_DEGRADED_S,
+        )
+
+    async def write_loop(*, task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        next_check = trio.current_time() + check_interval
+        while True:
+            with trio.move_on_at(next_check):
+                try:
+                    if not pending:
+                        pending.append(await receive.receive())
+                    with trio.move_on_after(MAX_LINGER_S):
+                        while len(pending) < MAX_BATCH:
+                            pending.append(await receive.receive())
+                except trio.EndOfChannel:
+                    return
+            await flush()
+            if pending:
+                return  # closing while the lock is held: the stop's flush takes over
+            if identity is not None and trio.current_time() >= next_check:
+                await check_file()
+                next_check = trio.current_time() + check_interval
 
     try:
         task_status.started(audit)
-        async for record in receive:
-            pending.append(record)
-            with trio.move_on_after(MAX_LINGER_S):
-                while len(pending) < MAX_BATCH:
-                    pending.append(await receive.receive())
-            # An accepted batch is written even if the run is being cancelled meanwhile.
-            with trio.CancelScope(shield=True):
-                await flush()
-    except trio.EndOfChannel:
-        pass
+        await supervise(components or Components(), "audit_writer", write_loop)
     finally:
         with trio.move_on_after(FLUSH_GRACE_S) as scope:
             scope.shield = True
@@ -337,14 +558,23 @@ async def serve_audit_writer(
                 except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                     break
             receive.close()
-            await flush()
-            stopped_at = clock.unix(trio.current_time())
+            await flush(stopping=True)
+        if pending:
+            for _ in pending:
+                audit.count_dropped(BUSY_AT_STOP)
+            pending.clear()
+        stopped_at = clock.unix(trio.current_time())
 
-            def finish_run() -> None:
-                with conn:
-                    conn.execute(
-                        "UPDATE runs SET stopped_at = ? WHERE id = ?", (stopped_at, run_id)
+        def finish_run() -> None:
+            try:
+                with writer.conn:
+                    writer.conn.execute(
+                        "UPDATE runs SET stopped_at = ? WHERE id = ?", (stopped_at, writer.run_id)
                     )
-                conn.close()
+            except sqlite3.Error as exc:
+                log.error("audit: could not record this run's stop time (%s)", exc)
+            finally:
+                writer.conn.close()
 
+        with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(finish_run)

@@ -37,6 +37,7 @@ from ..protocols import Protocol
 from ..scheduling import Scheduler
 from ..snapshot import Statistics
 from ..statistics import Counters
+from ..supervision import Components
 from . import prometheus
 from .auth import require_admin
 from .drain import Drain
@@ -81,6 +82,8 @@ class Services:
     recognizer: ProgramRecognizer = field(default_factory=ProgramRecognizer)
     #: Steps, pauses, resumes and latency histograms, fed by the audit log (Prometheus).
     counters: Counters = field(default_factory=Counters)
+    #: The supervised long-lived components and how they fare (supervision.py).
+    components: Components = field(default_factory=Components)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -103,6 +106,7 @@ class Services:
             shared_kv=self.scheduler.affinity.statistics()
             if isinstance(self.scheduler.affinity, SharedBackends)
             else None,
+            components=self.components.snapshot(),
         )
 
 
@@ -172,6 +176,10 @@ def program_view(program: Program, services: Services, *, with_profile: bool) ->
 
 def _audit_json(stats: Statistics) -> dict[str, Any]:
     return stats.audit.as_dict()
+
+
+def _components_json(stats: Statistics) -> dict[str, Any]:
+    return {c.name: c.as_dict() for c in stats.components}
 
 
 def create_app(services: Services) -> ThunderproxyApp:
@@ -368,7 +376,7 @@ def create_app(services: Services) -> ThunderproxyApp:
         if starting is not None:
             status = "starting"
         else:
-            status = "ok" if stats.healthy_backends else "degraded"
+            status = "ok" if stats.healthy_backends and not stats.degraded else "degraded"
         if not may_read():
             # Load balancers need the status only; who runs what is for token holders.
             response = jsonify({"status": status})
@@ -403,6 +411,8 @@ def create_app(services: Services) -> ThunderproxyApp:
                 "audit": _audit_json(stats),
                 "admission": stats.admission,
                 "shared_kv": stats.shared_kv,
+                "degraded": stats.degraded,
+                "components": _components_json(stats),
             }
         )
         if starting is not None:
@@ -462,6 +472,7 @@ def create_app(services: Services) -> ThunderproxyApp:
                 "backends": backends,
                 "audit": _audit_json(stats),
                 "admission": stats.admission,
+                "components": _components_json(stats),
             }
         )
 

@@ -93,9 +93,41 @@ class _SnapshotCollector(Collector):
         )
         yield CounterMetricFamily(
             f"{PREFIX}_audit_rows_dropped",
-            "Audit rows dropped because the writer's queue was full.",
+            "Audit rows lost: refused by a full queue or by SQLite (audit.dropped_by_cause).",
             value=s.audit_rows_dropped,
         )
+
+        yield CounterMetricFamily(
+            f"{PREFIX}_audit_busy_retries",
+            "Audit batches tried again because another connection held the db's write lock.",
+            value=s.audit_busy_retries,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_audit_db_recreated",
+            "Times the audit db file was found deleted or replaced and created again.",
+            value=s.audit_db_recreated,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_audit_degraded",
+            "1 while a lost audit db file keeps the proxy degraded.",
+            value=1.0 if s.audit_degraded else 0.0,
+        )
+        up = GaugeMetricFamily(
+            f"{PREFIX}_component_up",
+            "1 if the long-lived component is starting or running, 0 if it failed or waits "
+            "to restart.",
+            labels=["component"],
+        )
+        restarts = CounterMetricFamily(
+            f"{PREFIX}_component_restarts",
+            "Restarts of the long-lived component after a failure.",
+            labels=["component"],
+        )
+        for name, n in sorted(s.components_up.items()):
+            up.add_metric([name], n)
+            restarts.add_metric([name], s.component_restarts.get(name, 0))
+        yield up
+        yield restarts
 
         for name, histogram in sorted(s.histograms.items()):
             help_text = _HISTOGRAM_HELP.get(name, f"Seconds of {name}.")

@@ -10,6 +10,7 @@ Layers: ``council.py`` (pure: prompts, labels, ranking parsing, aggregation, his
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -75,11 +76,23 @@ class Council:
     runner: CouncilRunner
     blueprint: Blueprint
 
+    async def aclose(self) -> None:
+        """Close the store once the runner has stopped; the runtime calls it after the HTTP
+        server has drained (the routes read the store until then) and the runner is
+        cancelled."""
+        with trio.CancelScope(shield=True):
+            await self.runner.wait_idle()
+        await self.store.aclose()
 
-async def open_council(settings: Settings) -> Council:
-    """Open the council's store on the audit db and build its runner and routes."""
+
+async def open_council(
+    settings: Settings, *, db_generation: Callable[[], int] | None = None
+) -> Council:
+    """Open the council's store on the audit db and build its runner and routes.
+    ``db_generation``: the audit writer's count of db files recreated under it; the store
+    reconnects when it changes (``JobStore``)."""
     config = council_config(settings)
-    store = await JobStore.open(settings.db)
+    store = await JobStore.open(settings.db, db_generation=db_generation)
     runner = CouncilRunner(store, config)
     blueprint = create_blueprint(
         runner, admin_token=settings.admin_token, keepalive_s=settings.council.keepalive
@@ -98,7 +111,10 @@ async def serve_council(
 ) -> None:
     """Run council jobs until ``shutdown``. Members are called through ``client`` (the runtime
     passes a ``GatewayChatClient``: the proxy's own gateway, in process), or else an
-    ``HttpChatClient`` on the proxy's own URL; either way every call is a scheduled program."""
+    ``HttpChatClient`` on the proxy's own URL; either way every call is a scheduled program.
+
+    Supervised by the runtime (``supervision.py``): a failure restarts it, so the store stays
+    open across it and is closed by ``Council.aclose``."""
     timeout = httpx.Timeout(settings.first_byte_timeout, connect=settings.connect_timeout)
     tool_settings = ToolSettings(
         timeout_s=min(20.0, settings.council.member_timeout or 20.0),
@@ -106,23 +122,20 @@ async def serve_council(
         search_url=settings.council.search_url,
         search_key=settings.council.search_key,
     )
-    try:
-        async with (
-            httpx.AsyncClient(timeout=timeout) as calls,
-            httpx.AsyncClient(
-                timeout=httpx.Timeout(tool_settings.timeout_s),
-                headers={"user-agent": "thunderproxy-council"},
-            ) as fetches,
-        ):
-            if settings.council.tools:
-                council.runner.toolbox = Toolbox(fetches, tool_settings)
-            chat = client or HttpChatClient(
-                loopback_url(proxy_url), calls, admin_token=settings.admin_token
-            )
-            await council.runner.serve(chat, shutdown=shutdown, task_status=task_status)
-        # The clients are closed (their idle connections to this proxy would hold up its
-        # drain), but the routes may still read the store until the HTTP server has drained;
-        # the runtime cancels this task then.
-        await trio.sleep_forever()
-    finally:
-        await council.store.aclose()
+    async with (
+        httpx.AsyncClient(timeout=timeout) as calls,
+        httpx.AsyncClient(
+            timeout=httpx.Timeout(tool_settings.timeout_s),
+            headers={"user-agent": "thunderproxy-council"},
+        ) as fetches,
+    ):
+        if settings.council.tools:
+            council.runner.toolbox = Toolbox(fetches, tool_settings)
+        chat = client or HttpChatClient(
+            loopback_url(proxy_url), calls, admin_token=settings.admin_token
+        )
+        await council.runner.serve(chat, shutdown=shutdown, task_status=task_status)
+    # The clients are closed (their idle connections to this proxy would hold up its
+    # drain), but the routes may still read the store until the HTTP server has drained;
+    # the runtime cancels this task then.
+    await trio.sleep_forever()

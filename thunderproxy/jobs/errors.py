@@ -5,6 +5,7 @@ ThunderproxyError
     ConversationUnknown     no conversation with that id (404)
     JobRunning              a council job already runs for the conversation (409)
   JobFailed                 the council could not answer at all (no member answered)
+  StoreUnavailable          the council's tables cannot be written, even after retries (503)
   MemberFailed              one member's call failed; the council leaves it out
   ToolFailed                a tool call could not be carried out; its text goes to the model
 
@@ -41,6 +42,10 @@ class JobFailed(ThunderproxyError):
     """The council could not answer at all."""
 
 
+class StoreUnavailable(ThunderproxyError):
+    """The council's tables in the audit db refused a statement, even after retries."""
+
+
 class MemberFailed(ThunderproxyError):
     """One member's call failed; the message names the model and what happened."""
 
@@ -53,6 +58,7 @@ COUNCIL_ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
     ConversationUnknown: (404, "not_found_error"),
     JobRunning: (409, "conflict_error"),
     JobFailed: (502, "council_error"),
+    StoreUnavailable: (503, "service_unavailable"),
 }
 
 

@@ -19,7 +19,7 @@ from quart import Blueprint, Response, jsonify, request
 from ..errors import InvalidRequest, ThunderproxyError
 from ..http.auth import require_admin
 from ..http.errors import error_body
-from .errors import ConversationUnknown, JobFailed, JobRunning, describe
+from .errors import ConversationUnknown, JobFailed, JobRunning, StoreUnavailable, describe
 from .runner import CouncilRunner
 
 #: Longest question accepted, in characters (the page counts down to it).
@@ -156,7 +156,10 @@ def create_blueprint(
         await conversation_or_404(conversation_id)
         content = await question()
         job_id = await runner.start(conversation_id, content)
-        await runner.wait(job_id)
+        unrecorded = await runner.wait(job_id)
+        if unrecorded is not None:
+            # The job could not record how it ended: the db refused its writes.
+            raise StoreUnavailable(unrecorded)
         job = await store.get_job(job_id)
         assert job is not None
         status = 200 if job["status"] == "complete" else 502

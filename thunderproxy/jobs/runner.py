@@ -5,11 +5,18 @@ resumes the jobs a previous run left unfinished, from their last completed stage
 A job outlives the HTTP request that started it: the client may leave and come back with
 ``after=N``. Shutdown cancels running jobs where they stand; their rows still say which
 stage they were in, so the next start picks them up.
+
+A job fails alone: whatever ends it, nothing escapes to the runner's nursery. A job whose events
+cannot be written (``StoreUnavailable``, after the store's retries) ends with an ``error`` event
+kept in memory only (its live followers see it, and for the last ``UNRECORDED_KEPT`` such jobs
+a follower that comes later); its row keeps the last stage it recorded, so the next start
+resumes it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -19,7 +26,7 @@ import trio
 from ..errors import InvalidRequest
 from . import council, pipeline
 from .council import MemberAnswer, MemberRanking
-from .errors import JobFailed, JobRunning
+from .errors import JobFailed, JobRunning, StoreUnavailable
 from .llm import ChatClient
 from .pipeline import CouncilConfig
 from .store import Event, JobStore
@@ -29,6 +36,8 @@ log = logging.getLogger("thunderproxy.council")
 
 #: How long a job's programs may take to be released once it ends.
 RELEASE_GRACE_S = 5.0
+#: Jobs that ended unrecorded whose last event is kept in memory for followers that come late.
+UNRECORDED_KEPT = 256
 
 
 @dataclass
@@ -42,6 +51,8 @@ class LiveJob:
     changed: trio.Event = field(default_factory=trio.Event)
     finished: bool = False
     done: trio.Event = field(default_factory=trio.Event)
+    #: Why the job ended unrecorded: its last events could not be written (None: recorded).
+    unrecorded: str | None = None
 
     def notify(self) -> None:
         self.changed.set()
@@ -66,6 +77,11 @@ class CouncilRunner:
         self._by_conversation: dict[str, str] = {}
         self._nursery: trio.Nursery | None = None
         self.stopped = False
+        #: The last (unrecorded) event of the latest jobs that could not record their end.
+        self._unrecorded: OrderedDict[str, Event] = OrderedDict()
+        #: Set while no ``serve`` runs (so every job has ended and no write is in flight).
+        self._idle = trio.Event()
+        self._idle.set()
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def serve(
@@ -77,6 +93,8 @@ class CouncilRunner:
     ) -> None:
         """Run jobs until cancelled or ``shutdown`` is set; resumes unfinished jobs first."""
         self.client = client
+        self.stopped = False
+        self._idle = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -96,12 +114,17 @@ class CouncilRunner:
         finally:
             self.stopped = True
             self._nursery = None
+            self._idle.set()
             for live in list(self.live.values()):
                 live.notify()
 
     @property
     def ready(self) -> bool:
         return self._nursery is not None
+
+    async def wait_idle(self) -> None:
+        """Until no ``serve`` runs: every job has ended, none is writing."""
+        await self._idle.wait()
 
     # --- starting and following ------------------------------------------------------------------
     def running_job(self, conversation_id: str) -> str | None:
@@ -153,8 +176,16 @@ class CouncilRunner:
         it ends; ``None`` every ``keepalive_s`` of silence (a keepalive comment)."""
         live = self.live.get(job_id)
         if live is None:
-            for event in await self.store.events(job_id, after):
-                yield event
+            last = self._unrecorded.get(job_id)
+            try:
+                for event in await self.store.events(job_id, after):
+                    yield event
+                    after = event.seq
+            except StoreUnavailable:
+                if last is None:
+                    raise
+            if last is not None and last.seq > after:
+                yield last
             return
         while True:
             while after < len(live.events):
@@ -170,10 +201,14 @@ class CouncilRunner:
             if quiet.cancelled_caught:
                 yield None
 
-    async def wait(self, job_id: str) -> None:
+    async def wait(self, job_id: str) -> str | None:
+        """Wait for the job to end; returns why it ended unrecorded, else None."""
         live = self.live.get(job_id)
-        if live is not None:
-            await live.done.wait()
+        if live is None:
+            last = self._unrecorded.get(job_id)
+            return None if last is None else str(last.data["message"])
+        await live.done.wait()
+        return live.unrecorded
 
     # --- one job ---------------------------------------------------------------------------------
     async def _run(self, job: dict[str, Any], live: LiveJob) -> None:
@@ -202,27 +237,43 @@ class CouncilRunner:
                 for model in sorted(models):
                     await client.release(pipeline.program_id(job_id, model))
 
+        async def fail(message: str) -> None:
+            with trio.CancelScope(shield=True):
+                try:
+                    await release()
+                    await emit("error", {"message": message})
+                    await self.store.update_job(
+                        job_id, status="error", error=message, finished_at=self.store.now()
+                    )
+                except Exception as exc:
+                    # The end cannot be written either: tell the live followers, not durably.
+                    # The row still names the last stage recorded; the next start resumes it.
+                    cause = exc.message if isinstance(exc, StoreUnavailable) else repr(exc)
+                    log.error("council job %s ended unrecorded: %s", job_id, cause)
+                    text = message if cause in message else f"{message} (not recorded: {cause})"
+                    live.unrecorded = text
+                    last = Event(job_id, len(live.events) + 1, self.store.now(), "error",
+                                 {"message": text, "recorded": False})  # fmt: skip
+                    live.events.append(last)
+                    self._unrecorded[job_id] = last
+                    while len(self._unrecorded) > UNRECORDED_KEPT:
+                        self._unrecorded.popitem(last=False)
+
         try:
             await self._stages(job, emit)
             await release()
             await self.store.update_job(job_id, status="complete", finished_at=self.store.now())
             await emit("complete", {})
         except JobFailed as exc:
-            with trio.CancelScope(shield=True):
-                await release()
-                await emit("error", {"message": exc.message})
-                await self.store.update_job(
-                    job_id, status="error", error=exc.message, finished_at=self.store.now()
-                )
+            await fail(exc.message)
+        except StoreUnavailable as exc:
+            await fail(
+                "The council job stopped: it could not record its progress in the audit db. "
+                + exc.message
+            )
         except Exception as exc:
             log.exception("council job %s failed", job_id)
-            message = f"The council job failed unexpectedly: {exc!r}; see the proxy's log."
-            with trio.CancelScope(shield=True):
-                await release()
-                await emit("error", {"message": message})
-                await self.store.update_job(
-                    job_id, status="error", error=message, finished_at=self.store.now()
-                )
+            await fail(f"The council job failed unexpectedly: {exc!r}; see the proxy's log.")
         finally:
             live.finished = True
             self.live.pop(job_id, None)

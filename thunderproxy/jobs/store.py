@@ -5,11 +5,18 @@ worker threads, one call at a time. Event appends are awaited: an event exists f
 only once it is committed, so a stream replayed after a crash shows exactly what a live
 follower saw. Concurrent appends share one commit (group commit), so several members
 streaming at once cost one transaction per batch, not one per chunk.
+
+A statement SQLite refuses for a passing reason (another connection holding the write lock past
+the busy timeout, as a backup or VACUUM does; a full disk; an I/O error) is tried again, up to
+``ATTEMPTS`` times with a growing pause in between (trio time); then ``StoreUnavailable`` names
+the db and the cause. When the audit writer recreates a deleted or replaced db file, the store
+reconnects to the new one before its next statement (``db_generation``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import uuid
 from collections.abc import Callable, Sequence
@@ -21,8 +28,18 @@ import trio
 from ..audit import migrations
 from ..clock import WallClock
 from ..errors import AuditError
+from .errors import StoreUnavailable
 
 T = TypeVar("T")
+
+log = logging.getLogger("thunderproxy.council")
+
+#: How long one statement waits for another connection's write lock (SQLite's busy timeout).
+BUSY_TIMEOUT_MS = 5000
+#: Tries of one statement before it fails with ``StoreUnavailable``, and the pause before the
+#: second (doubled before each further one).
+ATTEMPTS = 4
+RETRY_PAUSE_S = 0.25
 
 #: Job statuses that mean the job is still to be run (or resumed after a restart).
 UNFINISHED = ("pending", "stage1", "stage2", "stage3")
@@ -58,7 +75,7 @@ def connect(path: str) -> sqlite3.Connection:
     """
     try:
         conn = sqlite3.connect(path, check_same_thread=False)
-        conn.execute("PRAGMA busy_timeout=5000")
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         migrations.apply(conn)
@@ -80,18 +97,37 @@ def _loads(value: str | None) -> Any:
 class JobStore:
     """Async access to the council tables. Open with :meth:`open`; close with :meth:`aclose`."""
 
-    def __init__(self, conn: sqlite3.Connection, clock: WallClock) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        clock: WallClock,
+        *,
+        path: str = "",
+        db_generation: Callable[[], int] | None = None,
+    ) -> None:
         self._conn = conn
         self._conn.row_factory = sqlite3.Row
         self._clock = clock
         self._lock = trio.Lock()
         self._batch = _Batch([], trio.Event())
         self._flush_lock = trio.Lock()
+        self._path = path
+        self._db_generation = db_generation
+        self._generation = 0 if db_generation is None else db_generation()
+        #: Statements tried again after SQLite refused them, and those that failed for good.
+        self.retries = 0
+        self.failures = 0
 
     @classmethod
-    async def open(cls, path: str, clock: WallClock | None = None) -> JobStore:
+    async def open(
+        cls,
+        path: str,
+        clock: WallClock | None = None,
+        *,
+        db_generation: Callable[[], int] | None = None,
+    ) -> JobStore:
         conn = await trio.to_thread.run_sync(connect, path)
-        return cls(conn, clock or WallClock())
+        return cls(conn, clock or WallClock(), path=path, db_generation=db_generation)
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
@@ -101,13 +137,52 @@ class JobStore:
     def now(self) -> float:
         return self._clock.unix(trio.current_time())
 
+    def _reconnect(self) -> None:
+        """In a worker thread: move to the db file the audit writer recreated."""
+        conn = connect(self._path)
+        conn.row_factory = sqlite3.Row
+        old, self._conn = self._conn, conn
+        old.close()
+
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         # Shielded: a write the caller awaited is finished even if the caller is cancelled,
-        # so the db never holds half of what a stage meant to save.
+        # so the db never holds half of what a stage meant to save. Retries are bounded
+        # (ATTEMPTS), so the shield cannot hold a stop for long.
         with trio.CancelScope(shield=True):
             async with self._lock:
-                result = await trio.to_thread.run_sync(fn, self._conn)
-        return result
+                pause = RETRY_PAUSE_S
+                for attempt in range(1, ATTEMPTS + 1):
+                    try:
+                        if self._db_generation is not None:
+                            generation = self._db_generation()
+                            if generation != self._generation:
+                                await trio.to_thread.run_sync(self._reconnect)
+                                self._generation = generation
+                                log.warning("council store: reconnected to the recreated db")
+                        return await trio.to_thread.run_sync(fn, self._conn)
+                    except (sqlite3.OperationalError, AuditError) as exc:
+                        # Locked, busy, full, I/O: passing causes; anything else is a bug.
+                        if attempt == ATTEMPTS:
+                            self.failures += 1
+                            raise StoreUnavailable(
+                                f"The council's tables in the audit db {self._path!r} cannot be "
+                                f"written ({exc}; tried {ATTEMPTS} times over "
+                                f"{RETRY_PAUSE_S * (2 ** (ATTEMPTS - 1) - 1):.2f} s plus "
+                                f"SQLite's {BUSY_TIMEOUT_MS / 1000:g} s busy timeout each). "
+                                "Another process may hold the db's write lock (a backup or "
+                                "VACUUM) or the disk is full; try again once it is released."
+                            ) from exc
+                        self.retries += 1
+                        log.warning(
+                            "council store: attempt %d of %d failed (%s); trying again in %.2f s",
+                            attempt,
+                            ATTEMPTS,
+                            exc,
+                            pause,
+                        )
+                        await trio.sleep(pause)
+                        pause *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # --- conversations ---------------------------------------------------------------------
     async def create_conversation(self) -> dict[str, Any]:
