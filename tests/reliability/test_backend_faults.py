@@ -204,5 +204,7 @@ async def test_start_is_bounded_when_backends_never_come(tmp_path: Path) -> None
         running_proxy(tmp_path / "a.db", backends=url, ready_timeout=0.5) as proxy,
         httpx.AsyncClient(base_url=proxy.url) as client,
     ):
-        assert trio.current_time() - start < 3.0
+        # Bounded by --ready-timeout, not by the default of 30 s; the margin is for a start-up
+        # that takes seconds on a busy machine.
+        assert trio.current_time() - start < 15.0
         assert (await client.get("/health")).json()["status"] == "degraded"
