@@ -149,9 +149,11 @@ class Call:
     #: The client did not ask for the usage chunk the proxy requested: hide it.
     hide_usage: bool = False
     method: str = "POST"
-    #: How the program was recognised (programs/recognition.py's Source), recorded when this
-    #: call creates its program.
+    #: How the call was tied to its program (programs/recognition.py's Source), recorded on its
+    #: steps row, and on its program's first transition when this call creates it.
     source: str | None = None
+    #: For a prompt continuation (``prefix``, ``prompt_prefix``): how many messages matched.
+    matched_messages: int | None = None
     #: The body (this one, or it with another model) as the bytes sent; an edge that kept the
     #: client's bytes sends them again for what did not change (http/body.py).
     encode: Callable[[dict[str, Any]], bytes] = field(default=_dumps, repr=False)
@@ -494,6 +496,8 @@ class Gateway:
             first_token_at=first_token_at,
             finished_at=now,
             error=error,
+            source=call.source,
+            matched_messages=call.matched_messages,
         )
         self.audit.record(record)
         first = first_token_at
@@ -538,6 +542,8 @@ class Gateway:
                 error="client closed the connection while the program was paused"
                 if status == CLIENT_CLOSED
                 else message,
+                source=call.source,
+                matched_messages=call.matched_messages,
             )
         )
 

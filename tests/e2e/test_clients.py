@@ -299,7 +299,11 @@ def programs_of(db: Path, endpoint: str) -> dict[str, list[int]]:
     return found
 
 
-def assert_one_program_per_task(db: Path, endpoint: str) -> None:
+def assert_one_program_per_task(
+    db: Path, endpoint: str, later: frozenset[str] = frozenset({"prefix"})
+) -> None:
+    """One program per task, and every step says how it was tied to it: its first call
+    ``new``, each later one by one of ``later`` with the messages that matched."""
     programs = programs_of(db, endpoint)
     # Merged tasks would make one program of more steps; a task split would make more programs.
     assert len(programs) == len(TASKS), programs
@@ -309,6 +313,13 @@ def assert_one_program_per_task(db: Path, endpoint: str) -> None:
     )
     assert {r["program_id"]: r["source"] for r in sources} == dict.fromkeys(programs, "new")
     assert all(r["status"] == 200 for r in query(db, "SELECT status FROM steps"))
+    for row in query(db, "SELECT step, source, matched_messages FROM steps WHERE endpoint = ?",
+                     endpoint):  # fmt: skip
+        if row["step"] == 1:
+            assert (row["source"], row["matched_messages"]) == ("new", None), row
+        else:
+            assert row["source"] in later, row
+            assert row["matched_messages"] >= 2, row
 
 
 async def test_chat_agents_without_program_ids_are_one_program_per_task(tmp_path: Path) -> None:
@@ -344,6 +355,44 @@ async def test_chat_agents_without_program_ids_are_one_program_per_task(tmp_path
             listed = (await http.get("/programs")).json()
         assert sorted(p["source"] for p in listed.values()) == ["new"] * len(TASKS)
     assert_one_program_per_task(setup.db, "/v1/chat/completions")
+
+
+async def test_agents_that_drop_replies_without_a_tool_call_stay_one_program(
+    tmp_path: Path,
+) -> None:
+    """mini-swe-agent's way (LiteLLM underneath): a reply without a tool call is dropped from
+    the history and a user message saying so is appended, so the next prompt continues the
+    previous *prompt*. Here every second reply is treated so, whatever it held."""
+    async with proxy_on_sim(tmp_path) as setup:
+        histories: list[list[Any]] = [
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+            for task in TASKS
+        ]
+        with setup.openai() as client:
+            for turn in range(TURNS):
+                for messages in histories:
+
+                    def call(messages: list[Any] = messages) -> Any:
+                        return client.chat.completions.create(
+                            model=MODEL, messages=messages, tools=CHAT_TOOLS, max_tokens=128
+                        )
+
+                    message = (await in_thread(call)).choices[0].message
+                    if turn % 2 == 0:
+                        messages.append(
+                            {"role": "user", "content": "Tool call error: exactly one action."}
+                        )
+                        continue
+                    messages.append(message.model_dump(exclude_none=True))
+                    messages += [
+                        {"role": "tool", "tool_call_id": c.id, "content": "ok"}
+                        for c in message.tool_calls or []
+                    ]
+    assert_one_program_per_task(
+        setup.db, "/v1/chat/completions", later=frozenset({"prompt_prefix", "prefix"})
+    )
+    dropped = query(setup.db, "SELECT count(*) AS n FROM steps WHERE source = 'prompt_prefix'")
+    assert dropped == [{"n": len(TASKS)}]
 
 
 async def test_messages_agents_without_program_ids_are_one_program_per_task(

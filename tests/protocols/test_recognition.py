@@ -634,3 +634,173 @@ def test_no_interleaving_ever_merges_two_agents(
         r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), answer, float(now))
         agent.continue_with(answer, turns[i])
         turns[i] += 1
+
+
+# --- prompt continuation: the answer dropped ---------------------------------------------------
+
+
+class DroppingAgent(ChatAgent):
+    """mini-swe-agent's way: a reply without a tool call is dropped from the history and a user
+    message saying so is appended, so the next prompt continues the previous *prompt*."""
+
+    def drop(self, turn: int) -> None:
+        self.messages.append({"role": "user", "content": f"Tool call error {turn}: no tool call."})
+
+
+def test_a_prompt_continued_without_its_answer_joins_its_program() -> None:
+    r = recognizer()
+    agent = DroppingAgent("fix the bug")
+    first = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    answer = agent.answer(0)
+    r.observe_answer(first.program_id, Protocol.CHAT, agent.request(), answer, 1.0)
+    agent.continue_with(answer, 0)
+    second = r.recognise(Protocol.CHAT, agent.request(), {}, 2.0)
+    assert second == Recognised(first.program_id, Source.PREFIX)
+    assert second.matched == len(agent.messages) - 1
+    prompt = agent.request()
+    r.observe_answer(second.program_id, Protocol.CHAT, prompt, "I think it is fixed.", 3.0)
+    agent.drop(1)  # that reply had no tool call
+    third = r.recognise(Protocol.CHAT, agent.request(), {}, 4.0)
+    assert third == Recognised(first.program_id, Source.PROMPT_PREFIX)
+    assert third.matched == len(prompt["messages"])
+    assert third.by_prompt
+    # Twice in a row, and then back to ordinary turns: still the one program.
+    r.observe_answer(third.program_id, Protocol.CHAT, agent.request(), "Done.", 5.0)
+    agent.drop(2)
+    assert r.recognise(Protocol.CHAT, agent.request(), {}, 6.0).program_id == first.program_id
+    answer = agent.answer(3)
+    r.observe_answer(first.program_id, Protocol.CHAT, agent.request(), answer, 7.0)
+    agent.continue_with(answer, 3)
+    assert r.recognise(Protocol.CHAT, agent.request(), {}, 8.0) == Recognised(
+        first.program_id, Source.PREFIX
+    )
+
+
+def test_the_same_prompt_again_is_not_a_continuation() -> None:
+    """A request equal to a program's last prompt (a parallel sample) extends nothing."""
+    r = recognizer()
+    prompt = chat_request(["Solve it."])
+    first = r.recognise(Protocol.CHAT, prompt, {}, 0.0)
+    r.observe_answer(first.program_id, Protocol.CHAT, prompt, "an answer", 1.0)
+    again = r.recognise(Protocol.CHAT, prompt, {}, 2.0)
+    assert again.source is Source.NEW
+    assert again.program_id != first.program_id
+
+
+def test_a_prompt_two_programs_sent_last_names_neither() -> None:
+    r = recognizer()
+    prompt = chat_request(["Solve it."])
+    samples = [r.recognise(Protocol.CHAT, prompt, {}, 0.0) for _ in range(2)]
+    for k, found in enumerate(samples):
+        r.observe_answer(found.program_id, Protocol.CHAT, prompt, f"attempt {k}", 1.0)
+    dropped = chat_request(["Solve it.", "Tool call error: no tool call."])
+    found = r.recognise(Protocol.CHAT, dropped, {}, 2.0)
+    assert found.source is Source.NEW
+    assert found.program_id not in {s.program_id for s in samples}
+
+
+def test_another_task_with_the_same_system_prompt_does_not_join() -> None:
+    r = recognizer()
+    a = chat_request(["task A"])
+    found = r.recognise(Protocol.CHAT, a, {}, 0.0)
+    r.observe_answer(found.program_id, Protocol.CHAT, a, "no tool call", 1.0)
+    other = r.recognise(Protocol.CHAT, chat_request(["task B", "more"]), {}, 2.0)
+    assert other.source is Source.NEW
+
+
+def test_a_prompt_of_one_element_is_never_continued_without_its_answer() -> None:
+    r = recognizer()
+    alone = {"model": "m", "messages": [{"role": "system", "content": SYSTEM}]}
+    found = r.recognise(Protocol.CHAT, alone, {}, 0.0)
+    r.observe_answer(found.program_id, Protocol.CHAT, alone, "hello", 1.0)
+    assert r.recognise(Protocol.CHAT, chat_request(["any task"]), {}, 2.0).source is Source.NEW
+
+
+def test_a_dropped_answer_after_the_lifetime_no_longer_matches() -> None:
+    r = recognizer(head_ttl_s=10.0)
+    agent = DroppingAgent("t")
+    found = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), "no tool", 1.0)
+    agent.drop(0)
+    assert r.recognise(Protocol.CHAT, agent.request(), {}, 20.0).source is Source.NEW
+
+
+def test_forget_drops_the_last_prompt_too() -> None:
+    r = recognizer()
+    agent = DroppingAgent("t")
+    found = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), "no tool", 1.0)
+    r.forget(found.program_id)
+    agent.drop(0)
+    assert r.recognise(Protocol.CHAT, agent.request(), {}, 2.0).source is Source.NEW
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tasks=st.integers(min_value=2, max_value=6),
+    order=st.lists(
+        st.tuples(st.integers(min_value=0, max_value=5), st.booleans()), min_size=1, max_size=40
+    ),
+    same_task=st.booleans(),
+)
+def test_agents_that_drop_answers_are_never_merged(
+    tasks: int, order: list[tuple[int, bool]], same_task: bool
+) -> None:
+    """Any order of turns, any reply dropped. Distinct tasks always stay their own program; runs
+    of one task may be split where their prompts cannot tell them apart, never merged."""
+    r = recognizer()
+    agents = [DroppingAgent("one task" if same_task else f"task {i}") for i in range(tasks)]
+    programs: dict[int, str] = {}
+    owner: dict[str, int] = {}
+    turns = dict.fromkeys(range(tasks), 0)
+    for now, (pick, dropped) in enumerate(order):
+        i = pick % tasks
+        agent = agents[i]
+        found = r.recognise(Protocol.CHAT, agent.request(), {}, float(now))
+        assert owner.setdefault(found.program_id, i) == i, "two agents merged"
+        if i in programs and not same_task:
+            assert found.program_id == programs[i]
+        programs[i] = found.program_id
+        answer = agent.answer(turns[i])
+        answer["tool_calls"][0]["id"] += f"-{i}"
+        if dropped:
+            answer = {"role": "assistant", "content": f"no tool call {i}-{turns[i]}"}
+        r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), answer, float(now))
+        if dropped:
+            agent.drop(turns[i])
+        else:
+            agent.continue_with(answer, turns[i])
+        turns[i] += 1
+
+
+def test_another_answer_in_place_of_the_dropped_one_is_a_fork_not_a_continuation() -> None:
+    r = recognizer()
+    prompt = chat_request(["Solve it."])
+    found = r.recognise(Protocol.CHAT, prompt, {}, 0.0)
+    r.observe_answer(found.program_id, Protocol.CHAT, prompt, "what the model said", 1.0)
+    fork = chat_request(["Solve it."])
+    fork["messages"] += [
+        {"role": "assistant", "content": "something else"},
+        {"role": "user", "content": "go on"},
+    ]
+    assert r.recognise(Protocol.CHAT, fork, {}, 2.0).source is Source.NEW
+
+
+@pytest.mark.parametrize("protocol", [Protocol.MESSAGES, Protocol.RESPONSES])
+def test_dropped_answers_are_followed_on_messages_and_responses(protocol: Protocol) -> None:
+    r = recognizer()
+    if protocol is Protocol.MESSAGES:
+        prompt: dict[str, Any] = anthropic_request(["Solve it."])
+        dropped = anthropic_request(["Solve it.", "Tool call error: no tool call."])
+    else:
+        prompt = {"model": "m", "instructions": SYSTEM, "input": [_item("Solve it.")]}
+        dropped = prompt | {"input": [_item("Solve it."), _item("Tool call error.")]}
+    found = r.recognise(protocol, prompt, {}, 0.0)
+    r.observe_answer(found.program_id, protocol, prompt, "no tool call here", 1.0)
+    assert r.recognise(protocol, dropped, {}, 2.0) == Recognised(
+        found.program_id, Source.PROMPT_PREFIX
+    )
+
+
+def _item(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": text}

@@ -115,6 +115,10 @@ class StepRecord:
     cached_tokens: int | None
     status: int
     error: str | None = None
+    #: How the call was tied to its program (recognition's Source value), and for a prompt
+    #: continuation how many messages matched; None where the caller did not say.
+    source: str | None = None
+    matched_messages: int | None = None
 
     @classmethod
     def from_outcome(
@@ -131,6 +135,8 @@ class StepRecord:
         first_token_at: float | None,
         finished_at: float,
         error: str | None,
+        source: str | None = None,
+        matched_messages: int | None = None,
     ) -> StepRecord:
         """The row of a call that reached a backend (``lease`` is its scheduler lease)."""
         return cls(
@@ -151,6 +157,8 @@ class StepRecord:
             cached_tokens=usage.cached_tokens,
             status=status,
             error=error,
+            source=source,
+            matched_messages=matched_messages,
         )
 
     @classmethod
@@ -166,6 +174,8 @@ class StepRecord:
         finished_at: float,
         status: int,
         error: str,
+        source: str | None = None,
+        matched_messages: int | None = None,
     ) -> StepRecord:
         """The row of a call that ended while it waited for its program to be resumed."""
         return cls(
@@ -186,6 +196,8 @@ class StepRecord:
             cached_tokens=None,
             status=status,
             error=error,
+            source=source,
+            matched_messages=matched_messages,
         )
 
     @property
@@ -217,6 +229,8 @@ class StepRecord:
             "cached_tokens": self.cached_tokens,
             "status": self.status,
             "error": self.error,
+            "source": self.source,
+            "matched_messages": self.matched_messages,
         }
 
 

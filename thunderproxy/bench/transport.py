@@ -207,6 +207,7 @@ class InProcessTransport:
             model=self.model,
             stream=True,
             context_chars=conversation.chars,
+            source="explicit",
         )
         try:
             async with self.gateway.call(call) as exchange:

@@ -141,6 +141,7 @@ class Edges:
             context_chars=prepared.prompt_chars,
             hide_usage=prepared.hide_usage,
             source=recognised.source.value,
+            matched_messages=recognised.matched,
             encode=parsed.encode,
         )
         scope[RECORDED_KEY] = True

@@ -42,6 +42,7 @@ class GatewayChatClient:
             stream=True,
             headers=[("content-type", "application/json")],
             context_chars=_chars(request.messages),
+            source="explicit",
         )
         assembler = StreamAssembler()
         try:

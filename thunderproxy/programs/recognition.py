@@ -16,7 +16,11 @@ Sources are tried in this order; the first that names a program wins, and the re
 7. ``prompt_cache_key``: OpenAI's per-conversation cache key;
 8. ``user``: OpenAI's ``user`` (off by default: it names an end user, whose tasks differ);
 9. ``prefix``: the prompt extends a tracked program's last prompt plus its answer;
-10. ``new`` (``auto-<hash>``) when prefix tracking could have followed the request, else
+10. ``prompt_prefix``: the prompt extends a tracked program's last *prompt* with that call's
+    answer left out and the client's own messages (user messages, tool outputs) appended, what
+    mini-swe-agent does when a reply has no tool call: it drops the reply and adds a user
+    message saying so;
+11. ``new`` (``auto-<hash>``) when prefix tracking could have followed the request, else
     ``default`` (the single shared program, as before recognition existed).
 
 Prefix continuation stores no text. Each prompt is a list of normalised messages (see each
@@ -26,6 +30,17 @@ program's head (one per program). A later request computes its own chain, O(prom
 each link up. Two tasks with one system prompt share links only up to their first user message,
 which never ends a stored prompt-plus-answer chain, so they never merge. Heads are kept in LRU
 order, bounded, and expire after ``head_ttl_s`` without use.
+
+A program's last prompt alone is kept too (one per program, with the same bounds), for
+``prompt_prefix``. At each length the prompt-plus-answer head is tried first, and the longest
+match wins, so a program that took its answer back is found only where nothing that kept the
+answer claims the request. The prompt must be strictly extended (a request equal to it, a parallel
+sample of the same prompt, starts a program of its own), a prompt of one element (a system prompt
+alone) is never kept, and a prompt that two live programs both sent last (samples of one prompt,
+or two runs of one task) names neither: such a request starts a new program. What this rule can
+merge wrongly is a task whose whole first prompt (system prompt and task text) another program
+sent last, then extended without the answer: in practice a second run of the same task that does
+not keep its first answer, which then shares the other run's cached prefix anyway.
 """
 
 from __future__ import annotations
@@ -37,7 +52,7 @@ import os
 import re
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -69,6 +84,7 @@ class Source(enum.StrEnum):
     PROMPT_CACHE_KEY = "prompt_cache_key"
     USER = "user"
     PREFIX = "prefix"
+    PROMPT_PREFIX = "prompt_prefix"
     NEW = "new"
     DEFAULT = "default"
 
@@ -107,12 +123,15 @@ class RecognitionConfig:
 class Recognised:
     program_id: str
     source: Source
+    #: For ``prefix`` and ``prompt_prefix``: how many prompt elements (messages) matched. Not
+    #: part of what names the program, so not compared.
+    matched: int | None = field(default=None, compare=False)
 
     @property
     def by_prompt(self) -> bool:
         """Whether only the prompt ties this call to its program, so the next call can only be
         recognised if this one's answer is observed (``observe_answer``)."""
-        return self.source in (Source.PREFIX, Source.NEW)
+        return self.source in (Source.PREFIX, Source.PROMPT_PREFIX, Source.NEW)
 
 
 def _digest(data: bytes) -> bytes:
@@ -134,6 +153,14 @@ def chain(protocol: Protocol, elements: list[Any]) -> list[bytes]:
         link = _digest(link + _element_bytes(element))
         links.append(link)
     return links
+
+
+#: The kinds of prompt element (chain_elements' first item) that the client adds itself.
+CLIENT_TURNS = frozenset({"user", "tool", "function_call_output"})
+
+
+def _kind(element: Any) -> Any:
+    return element[0] if isinstance(element, list) and element else None
 
 
 def _lower(headers: HeaderItems) -> dict[str, str]:
@@ -224,6 +251,10 @@ class ProgramRecognizer:
         self._created = 0
         self._heads: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._head_of: dict[str, bytes] = {}
+        # A program's last prompt without its answer; the owner "" marks a prompt that two
+        # live programs sent last, which names neither.
+        self._prompts: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._prompt_of: dict[str, bytes] = {}
         self._responses: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     @property
@@ -244,11 +275,19 @@ class ProgramRecognizer:
             return found
         links: list[bytes] = []
         if self.config.prefix:
-            links = chain(protocol, chain_elements(protocol, body))
-            for link in reversed(links):
-                program_id = self._lookup(self._heads, link, now)
+            elements = chain_elements(protocol, body)
+            links = chain(protocol, elements)
+            for index in range(len(links) - 1, -1, -1):
+                program_id = self._lookup(self._heads, links[index], now)
                 if program_id is not None:
-                    return Recognised(program_id, Source.PREFIX)
+                    return Recognised(program_id, Source.PREFIX, matched=index + 1)
+                # An earlier prompt is continued without its answer only by what the client
+                # says next (a user message, a tool's output); another answer in its place is
+                # a fork of that history, not its continuation.
+                if index + 1 < len(elements) and _kind(elements[index + 1]) in CLIENT_TURNS:
+                    program_id = self._lookup(self._prompts, links[index], now)
+                    if program_id:
+                        return Recognised(program_id, Source.PROMPT_PREFIX, matched=index + 1)
         if not links:
             return Recognised(DEFAULT_PROGRAM, Source.DEFAULT)
         self._created += 1
@@ -323,6 +362,8 @@ class ProgramRecognizer:
             del table[key]
             if table is self._heads and self._head_of.get(program_id) == key:
                 del self._head_of[program_id]
+            if table is self._prompts and self._prompt_of.get(program_id) == key:
+                del self._prompt_of[program_id]
             return None
         table[key] = (program_id, now)
         table.move_to_end(key)
@@ -350,17 +391,31 @@ class ProgramRecognizer:
         added = answer_elements(protocol, answer)
         if not prompt or not added:
             return
-        head = chain(protocol, prompt + added)[-1]
+        links = chain(protocol, prompt + added)
+        head = links[-1]
         self.forget(program_id)
         owner = self._heads.pop(head, None)
         if owner is not None and self._head_of.get(owner[0]) == head:
             del self._head_of[owner[0]]  # the same history, answered again: the latest owns it
         self._heads[head] = (program_id, now)
         self._head_of[program_id] = head
-        while len(self._heads) > self.config.max_heads:
-            old, (old_program, _) = self._heads.popitem(last=False)
-            if self._head_of.get(old_program) == old:
-                del self._head_of[old_program]
+        _bound(self._heads, self._head_of, self.config.max_heads)
+        if len(prompt) > 1:
+            self._keep_prompt(program_id, links[len(prompt) - 1], now)
+
+    def _keep_prompt(self, program_id: str, link: bytes, now: float) -> None:
+        owner = self._prompts.get(link)
+        if owner is not None:
+            other, used_at = owner
+            if other != program_id and now - used_at <= self.config.head_ttl_s:
+                # Two live programs sent this prompt last (samples of one prompt, or two runs
+                # of one task): it names neither.
+                program_id = ""
+        self._prompts[link] = (program_id, now)
+        self._prompts.move_to_end(link)
+        if program_id:
+            self._prompt_of[program_id] = link
+        _bound(self._prompts, self._prompt_of, self.config.max_heads)
 
     def remember_response(self, response_id: str | None, program_id: str, now: float) -> None:
         """A Responses answer's id (the tap's ``response_id``, or ``response_id_from_body``): a
@@ -374,10 +429,24 @@ class ProgramRecognizer:
             self._responses.popitem(last=False)
 
     def forget(self, program_id: str) -> None:
-        """Drop a program's chain head (it was released, or it has a newer one)."""
+        """Drop a program's chain head and last prompt (it was released, or it has newer
+        ones)."""
         head = self._head_of.pop(program_id, None)
         if head is not None:
             self._heads.pop(head, None)
+        prompt = self._prompt_of.pop(program_id, None)
+        if prompt is not None and self._prompts.get(prompt, ("",))[0] == program_id:
+            del self._prompts[prompt]
+
+
+def _bound(
+    table: OrderedDict[bytes, tuple[str, float]], owned: dict[str, bytes], size: int
+) -> None:
+    """Drop the least recently used entries past ``size``, and their owners' pointers."""
+    while len(table) > size:
+        old, (old_program, _) = table.popitem(last=False)
+        if owned.get(old_program) == old:
+            del owned[old_program]
 
 
 def _litellm_session(body: dict[str, Any], headers: dict[str, str]) -> str | None:
