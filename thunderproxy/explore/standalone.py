@@ -48,7 +48,7 @@ def with_root_redirect(app: Any) -> Any:
     return redirecting
 
 
-class _Server(uvicorn.Server):
+class Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         # uvicorn raises the signal again once it has stopped gracefully, which ends the
@@ -79,7 +79,7 @@ def serve_standalone(
         loop="asyncio",
         http="h11",
     )
-    server = _Server(config)
+    server = Server(config)
     if ready is not None:
         # The socket already listens: connections made now wait in its backlog.
         ready(url)

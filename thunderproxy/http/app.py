@@ -3,6 +3,7 @@ and their answers back into JSON; the shapes follow the seed API (seed 001)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,8 @@ class Services:
     recognizer: ProgramRecognizer = field(default_factory=ProgramRecognizer)
     #: Steps, pauses, resumes and latency histograms, fed by the audit log (Prometheus).
     counters: Counters = field(default_factory=Counters)
+    #: The explorer's process state for /health (explore/mount.py); None without Datasette.
+    explorer: Callable[[], dict[str, Any]] | None = None
 
     @property
     def scheduler(self) -> Scheduler:
@@ -403,6 +406,7 @@ def create_app(services: Services) -> ThunderproxyApp:
                 "audit": _audit_json(stats),
                 "admission": stats.admission,
                 "shared_kv": stats.shared_kv,
+                "explorer": None if services.explorer is None else services.explorer(),
             }
         )
         if starting is not None:
