@@ -69,6 +69,9 @@ def check_database(path: str) -> None:
             f"No audit db at {path}; pass the file `thunderproxy serve --db` wrote "
             "(copy its -wal file along if the proxy is still running)."
         )
+    wal = Path(f"{path}-wal")
+    # Read before connecting: opening a db whose header says WAL creates an empty -wal file.
+    had_wal = wal.exists()
     try:
         conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
         try:
@@ -78,6 +81,16 @@ def check_database(path: str) -> None:
         finally:
             conn.close()
     except sqlite3.Error as exc:
+        if "no such table" in str(exc) and not had_wal:
+            # A db in WAL mode copied alone: what the proxy wrote since its last checkpoint,
+            # the tables themselves at first, is in the -wal file that was left behind.
+            raise AuditError(
+                f"{path} has no thunderproxy tables ({exc}), and there is no {wal.name} beside "
+                f"it. If it was copied from a running proxy, its recent writes (the tables "
+                f"included) are in that file: copy {wal.name} from the same folder along with "
+                f"it, or stop the proxy before copying, or copy it whole with "
+                f"`sqlite3 SOURCE.db '.backup {Path(path).name}'`."
+            ) from exc
         raise AuditError(f"{path} is not a thunderproxy audit db: {exc}.") from exc
     # Later migrations add what other commands need; the explorer needs its views and below.
     missing = [
