@@ -2,8 +2,8 @@
 db under the stable name ``audit``, read-only, with the shipped metadata, canned queries and
 dashboard charts, at ``/datasette/``.
 
-Nothing here picks an event loop: the caller decides whether Datasette runs on trio-asyncio
-(``mount``) or on plain asyncio (``standalone``).
+Nothing here picks an event loop or a process: ``child`` (the process ``serve`` relays
+``/datasette/`` to) and ``standalone`` both serve it on uvicorn and plain asyncio.
 """
 
 from __future__ import annotations

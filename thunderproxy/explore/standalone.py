@@ -1,8 +1,7 @@
 """``thunderproxy explore DB``: the same Datasette pages as ``serve`` mounts, for a db copied off a
 server, served by uvicorn on plain asyncio.
 
-This path must never import trio-asyncio: once imported it replaces asyncio's event loops
-process-wide, and Datasette's thread pool then fails on every page.
+``serve``'s explorer process (``child.py``) runs the same server on a Unix socket.
 """
 
 from __future__ import annotations
