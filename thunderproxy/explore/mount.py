@@ -185,7 +185,14 @@ class ExplorerProcess:
                 if os.path.exists(self.socket_path):
                     os.unlink(self.socket_path)  # an earlier child's
                 popen = subprocess.Popen(
-                    self._argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+                    self._argv(),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    env=env,
+                    # A terminal's Ctrl-C goes to the proxy alone, which stops this process
+                    # after it has drained (the process would otherwise exit at once and be
+                    # restarted during the drain).
+                    start_new_session=True,
                 )
             except OSError as exc:
                 outcome["error"] = f"could not start {sys.executable}: {exc}"
