@@ -62,9 +62,6 @@ def serve(ctx: click.Context, /, **values: Any) -> None:
         # One line: what is wrong and how to fix it (a usage dump would bury it).
         raise click.ClickException(exc.message) from None
     configure_logging(settings.log_level)
-    if settings.datasette:
-        # trio-asyncio has to patch asyncio before Quart imports aiofiles (see explore.mount).
-        from .explore import mount  # noqa: F401
     if settings.workers > 1:
         from .scaleout import supervise
 

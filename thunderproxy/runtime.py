@@ -18,7 +18,6 @@ backoff), so only a signal or a fatal startup error stops ``run``.
 from __future__ import annotations
 
 import errno
-import importlib
 import logging
 import os
 import signal
@@ -423,7 +422,7 @@ async def run(
                     # The app drains first, Hypercorn stops after it (see http/drain.py).
                     await drain_then_stop(shutdown, app.drain, config, settings.shutdown_grace)
 
-                async with mount_datasette(app, settings) as served:
+                async with mount_datasette(app, settings, services) as served:
                     outer = served if worker is None else WorkerMiddleware(served, worker)
                     if front:
                         await serve_front(
@@ -549,9 +548,6 @@ async def open_demo(
             partial(serve_simulator, sim_config, host="127.0.0.1", port=0)
         )
         settings = load_settings({"log_level": "warning", **values, "backends": sim_url})
-        if settings.datasette:
-            # The Datasette mount must patch asyncio before Quart loads (explore/mount.py).
-            importlib.import_module("thunderproxy.explore.mount")
         async with trio.open_nursery() as inner:
             proxy: RunningProxy = await inner.start(partial(run, settings, handle_signals=True))
             yield proxy, sim_url

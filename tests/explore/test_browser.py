@@ -18,9 +18,11 @@ import pytest
 import trio
 
 from tests.conftest import apt_install
+from tests.explore.conftest import raw
 from tests.explore.scenario import History
 from tests.explore.test_standalone import LISTENING, ROOT, start
 from tests.fakebackend import FakeBackend, serve_fake_backend
+from thunderproxy.explore.links import dashboard_url
 
 ARTIFACTS = ROOT / "test-artifacts" / "explore"
 CHROMIUM_FLAGS = [
@@ -77,6 +79,7 @@ async def test_the_explorer_renders_with_data_in_a_browser(
         sys.executable, "-m", "thunderproxy", "serve", "--port", "0", "--backends", backend.url,
         "--db", str(history_copy), "--no-restore", "--metrics-interval", "3600",
     ]  # fmt: skip
+    first = raw(history_copy, "select * from runs order by id limit 1")[0]
     process, url = await start(argv, {**os.environ}, LISTENING)
     try:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -96,6 +99,12 @@ async def test_the_explorer_renders_with_data_in_a_browser(
                 ["Pause/resume timeline", "paused: over_capacity", "resumed: fits"],
             ),
             "dashboard": (f"{base}/-/dashboards/scheduling", ["Scheduling history"]),
+            # The link a run's summary prints: this proxy's own run is the latest, so the
+            # scenario's run is named, with its window and a bucket that fits it.
+            "dashboard-run": (
+                dashboard_url(url, first["id"], first["started_at"], first["stopped_at"]),
+                ["Scheduling history", f'value="{first["id"]}"'],
+            ),
         }
         for name, (page, expected) in pages.items():
             dom = await browse(chromium, page, screenshot=ARTIFACTS / f"{name}.png")
@@ -103,8 +112,9 @@ async def test_the_explorer_renders_with_data_in_a_browser(
                 assert text in dom, (name, text)
             assert "Error 500" not in dom, name
         # The dashboard's charts are drawn by Vega in the browser, from local files only.
-        dashboard = await browse(chromium, pages["dashboard"][0])
-        assert dashboard.count('class="marks"') >= 6, "every chart drew its canvas or SVG"
+        for name in ("dashboard", "dashboard-run"):
+            dashboard = await browse(chromium, pages[name][0])
+            assert dashboard.count('class="marks"') >= 6, "every chart drew its canvas or SVG"
     finally:
         process.terminate()
         with trio.fail_after(10):

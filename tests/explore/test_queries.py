@@ -3,7 +3,9 @@ give the answers the scripted traffic implies, not merely execute."""
 
 from __future__ import annotations
 
+import json
 import re
+import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from tests.explore import scenario
 from tests.explore.conftest import raw, run_canned
 from tests.explore.scenario import History
 from thunderproxy.explore.instance import canned_queries, load_metadata
+from thunderproxy.explore.links import bucket_for, dashboard_url
 
 
 def utc(unix: float) -> str:
@@ -64,8 +67,11 @@ def test_throughput(history: History) -> None:
     assert sum(r["completion_tokens"] for r in rows) == tokens[0]["n"] == 43
     # alpha's pause and epsilon's queueing (it is created paused)
     assert sum(r["pauses"] for r in rows) == 2
+    size = default_bucket(history.db)
+    assert size < 60  # the run lasts seconds: one 60 s bucket would hide its shape
+    assert {b - a for a, b in zip(starts_of(rows), starts_of(rows)[1:], strict=False)} == {size}
     for row in rows:
-        assert row["tokens_per_s"] == round(row["completion_tokens"] / 60, 3)
+        assert row["tokens_per_s"] == round(row["completion_tokens"] / size, 3)
 
     per_second = run_canned(history.db, "throughput", bucket="1")
     starts = [r["bucket_start"] for r in per_second]
@@ -79,6 +85,77 @@ def test_throughput(history: History) -> None:
     assert sum(r["steps"] for r in before_gap) == 10
     assert sum(r["steps"] for r in run_canned(history.db, "throughput", since="-1 hour")) == 11
     assert run_canned(history.db, "throughput", since="+1 hour") == []
+
+
+def starts_of(rows: list[dict[str, Any]]) -> list[float]:
+    return [r["bucket_start"] for r in rows]
+
+
+def default_bucket(db: Path) -> int:
+    """The bucket the time series choose when given none: links.bucket_for over the span of
+    the latest run's data, as the link the demo prints states it."""
+    run = raw(db, "select * from runs order by id desc limit 1")[0]
+    times = raw(
+        db,
+        "select min(t) as lo, max(t) as hi from (select finished_at as t from steps "
+        "where finished_at >= ? union all select at from backend_samples where at >= ?)",
+        run["started_at"],
+        run["started_at"],
+    )[0]
+    poll_s = json.loads(run["settings"])["metrics_interval"]
+    return bucket_for(times["hi"] - times["lo"], poll_s)
+
+
+def test_time_series_default_to_the_latest_run_in_a_fitting_bucket(
+    history: History, history_copy: Path
+) -> None:
+    # A later run with one step, far from the first: blank times now mean that run alone.
+    conn = sqlite3.connect(history_copy)
+    later = raw(history_copy, "select max(finished_at) as t from steps")[0]["t"] + 86400
+    conn.execute(
+        "insert into runs (started_at, stopped_at, version, router, backends, settings) "
+        "values (?, ?, 'x', 'tr', '', ?)",
+        (later - 20, later + 20, json.dumps({"metrics_interval": 1.0, "backend_specs": []})),
+    )
+    conn.execute(
+        "insert into steps (run_id, request_id, program_id, step, backend, endpoint, model, "
+        "stream, arrived_at, sent_at, finished_at, queue_s, total_s, completion_tokens, "
+        "status) select max(id), 'r', 'later', 1, 'http://x', '/v1/chat/completions', 'm', 0, "
+        "?, ?, ?, 0, 1, 7, 200 from runs",
+        (later - 1, later - 1, later),
+    )
+    conn.commit()
+    conn.close()
+    latest = run_canned(history_copy, "throughput")
+    assert [(r["steps"], r["completion_tokens"]) for r in latest] == [(1, 7)]
+    # Bucket: the smallest that fits the data in 30 rows, and no shorter than a poll.
+    assert latest[0]["tokens_per_s"] == round(7 / bucket_for(0, 1.0), 3)
+    first = run_canned(history_copy, "throughput", run_id="1")
+    assert sum(r["steps"] for r in first) == 11
+    assert {r["bucket_start"] % default_bucket(history.db) for r in first} == {0}
+    everything = run_canned(history_copy, "throughput", since="0", bucket="86400")
+    assert sum(r["steps"] for r in everything) == 12
+
+
+def test_buckets_fit_spans() -> None:
+    assert bucket_for(35) == 2  # the demo: 18 points, not one 60 s bucket
+    assert bucket_for(35, poll_s=3) == 5
+    assert bucket_for(30) == 1
+    assert bucket_for(3600) == 120
+    assert bucket_for(10**9) == 86400
+
+
+def test_the_dashboard_link_states_the_run_window_and_bucket() -> None:
+    url = dashboard_url("http://127.0.0.1:8300", 7, 1000.0, 1035.0, poll_s=0.5)
+    assert url == (
+        "http://127.0.0.1:8300/datasette/-/dashboards/scheduling"
+        "?run_id=7&since=1000.000&until=1035.001&bucket=2"
+    )
+    assert dashboard_url("http://h/datasette/", 7, 1000.0, 1035.0).startswith(
+        "http://h/datasette/-/dashboards/scheduling?"
+    )
+    running = dashboard_url("http://h", 8, 1000.0, None)
+    assert running.endswith("?run_id=8&since=1000.000&until=&bucket=")
 
 
 def test_waited_longest(history: History) -> None:
@@ -152,6 +229,18 @@ def test_decision_log(history: History) -> None:
     assert [r["action"] for r in epsilon] == ["force_resume", "queue"]
     assert epsilon[0]["waited_s"] >= scenario.MAX_WAIT_S * 0.9
     assert run_canned(history.db, "decision_log", program_id="alpha", action="queue") == []
+    # Figures the rule had no value for (-1 in the row's JSON) are shown as null.
+    raw_details = [
+        json.loads(r["detail"])
+        for r in raw(history.db, "select detail from decisions")
+        if r["detail"]
+    ]
+    shown = [json.loads(r["detail"]) for r in rows if r["detail"]]
+    assert len(shown) == len(raw_details)
+    for detail in shown:
+        assert -1 not in detail.values()
+    placeholders = sum(v == -1 for d in raw_details for v in d.values())
+    assert sum(v is None for d in shown for v in d.values()) >= placeholders
 
 
 def test_latency_breakdown(history: History) -> None:
@@ -234,6 +323,32 @@ def test_backend_usage(history: History) -> None:
     assert max(r["max_programs"] for r in rows) == samples["programs"]
     assert sum(r["failed_polls"] for r in rows) == 0
     assert run_canned(history.db, "backend_usage", backend="http://elsewhere") == []
+    # Named by host: the fake backend's port is a random one.
+    assert {r["backend_label"] for r in rows} == {"127.0.0.1"}
+    # Peaks as reported: the largest poll of each bucket.
+    peak = raw(history.db, "select max(kv_usage) * 100 as pct from backend_samples")[0]["pct"]
+    assert max(r["max_kv_usage_pct"] for r in rows) == round(peak, 2)
+
+
+def test_backend_usage_breaks_its_series_where_polls_stop(
+    history: History, history_copy: Path
+) -> None:
+    # Half a minute without polls in the middle of the run (a proxy stopped, say).
+    conn = sqlite3.connect(history_copy)
+    conn.execute("update backend_samples set at = at + 30 where at > ?", (history.gap_at,))
+    conn.execute("update runs set stopped_at = stopped_at + 30")
+    conn.commit()
+    conn.close()
+    rows = run_canned(history_copy, "backend_usage", bucket="1")
+    polled = [r["bucket_start"] for r in rows if r["polls"]]
+    breaks = [r for r in rows if not r["polls"]]
+    # One empty row, a bucket after the last poll before the gap: the chart's line breaks.
+    assert [r["bucket_start"] for r in breaks] == [
+        a + 1 for a, b in zip(polled, polled[1:], strict=False) if b - a > 1
+    ]
+    assert len(breaks) == 1
+    assert breaks[0]["max_kv_usage_pct"] is None
+    assert breaks[0]["backend_label"] == "127.0.0.1"
 
 
 def test_failures(history: History) -> None:

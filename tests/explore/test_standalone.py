@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -18,6 +20,8 @@ import trio
 from tests.explore.conftest import run_canned
 from tests.explore.scenario import History
 from tests.fakebackend import FakeBackend, serve_fake_backend
+from thunderproxy.errors import AuditError
+from thunderproxy.explore.instance import check_database
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
@@ -124,6 +128,24 @@ async def test_explore_refuses_a_missing_or_unmigrated_db(tmp_path: Path) -> Non
     )
     assert outdated.returncode == 1
     assert b"thunderproxy migrate --db" in outdated.stderr
+
+
+def test_explore_names_the_missing_wal_file(history: History, tmp_path: Path) -> None:
+    # A proxy that has not checkpointed yet: the tables exist only in its -wal file.
+    source = tmp_path / "live.db"
+    conn = sqlite3.connect(source)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA wal_autocheckpoint=0")
+    conn.execute("CREATE TABLE schema_migrations (name TEXT PRIMARY KEY, applied_at REAL)")
+    conn.commit()
+    copied = tmp_path / "copied.db"
+    shutil.copy(source, copied)  # the -wal file left behind
+    conn.close()
+    with pytest.raises(AuditError) as refused:
+        check_database(str(copied))
+    message = str(refused.value)
+    assert "copied.db-wal" in message
+    assert "stop the proxy before copying" in message
 
 
 async def test_serve_from_the_zipapp_mounts_datasette(

@@ -1,12 +1,12 @@
 """Exploring the audit db with Datasette: one port, canned questions, charts.
 
-``serve`` mounts Datasette read-only under ``/datasette/`` on the proxy's own port
-(:func:`mount_datasette`, through trio-asyncio); ``thunderproxy explore DB`` shows the same pages
-for a db copied off a server (``standalone``, plain asyncio). The metadata, canned queries and
-dashboard charts ship as ``metadata.yaml`` in this package.
+``serve`` shows Datasette read-only under ``/datasette/`` on the proxy's own port
+(:func:`mount_datasette`): Datasette runs in a process of its own and the proxy relays to it, so
+rendering a page never takes the time of the loop that relays the streams (``mount.py``).
+``thunderproxy explore DB`` shows the same pages for a db copied off a server (``standalone``).
+The metadata, canned queries and dashboard charts ship as ``metadata.yaml`` in this package.
 
-Importing this package is cheap and imports neither Datasette nor trio-asyncio: the proxy pays for
-them only when Datasette is switched on, and ``explore`` never imports trio-asyncio at all.
+Importing this package is cheap: the proxy itself never imports Datasette.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..config import Settings
+    from ..http.app import Services
 
 #: An ASGI application (the proxy's Quart app, or the mount in front of it).
 ASGIApp = Any
@@ -30,14 +31,18 @@ READ_METHODS = frozenset({"GET", "HEAD"})
 
 
 @asynccontextmanager
-async def mount_datasette(app: ASGIApp, settings: Settings) -> AsyncIterator[ASGIApp]:
-    """Yield the ASGI app to serve: ``app`` itself, or with ``--datasette`` an app that sends
-    ``/datasette/`` to Datasette and everything else to ``app``, inside a trio-asyncio loop that
-    lives as long as the block."""
+async def mount_datasette(
+    app: ASGIApp, settings: Settings, services: Services | None = None
+) -> AsyncIterator[ASGIApp]:
+    """Yield the ASGI app to serve: ``app`` itself, or with ``--datasette`` an app that relays
+    ``/datasette/`` to the explorer's process and everything else to ``app``; that process is
+    supervised for as long as the block lives, its state shown in ``services``' ``/health``."""
     if not settings.datasette:
         yield app
         return
     from .mount import open_datasette_mount
 
     async with open_datasette_mount(app, settings.db, admin_token=settings.admin_token) as mounted:
+        if services is not None:
+            services.explorer = mounted.explorer.status
         yield mounted

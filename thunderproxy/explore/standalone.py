@@ -1,8 +1,7 @@
 """``thunderproxy explore DB``: the same Datasette pages as ``serve`` mounts, for a db copied off a
 server, served by uvicorn on plain asyncio.
 
-This path must never import trio-asyncio: once imported it replaces asyncio's event loops
-process-wide, and Datasette's thread pool then fails on every page.
+``serve``'s explorer process (``child.py``) runs the same server on a Unix socket.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ def with_root_redirect(app: Any) -> Any:
     return redirecting
 
 
-class _Server(uvicorn.Server):
+class Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         # uvicorn raises the signal again once it has stopped gracefully, which ends the
@@ -79,7 +78,7 @@ def serve_standalone(
         loop="asyncio",
         http="h11",
     )
-    server = _Server(config)
+    server = Server(config)
     if ready is not None:
         # The socket already listens: connections made now wait in its backlog.
         ready(url)

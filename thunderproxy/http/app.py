@@ -3,6 +3,7 @@ and their answers back into JSON; the shapes follow the seed API (seed 001)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,8 @@ class Services:
     counters: Counters = field(default_factory=Counters)
     #: The supervised long-lived components and how they fare (supervision.py).
     components: Components = field(default_factory=Components)
+    #: The explorer's process state for /health (explore/mount.py); None without Datasette.
+    explorer: Callable[[], dict[str, Any]] | None = None
 
     @property
     def scheduler(self) -> Scheduler:
@@ -413,6 +416,7 @@ def create_app(services: Services) -> ThunderproxyApp:
                 "shared_kv": stats.shared_kv,
                 "degraded": stats.degraded,
                 "components": _components_json(stats),
+                "explorer": None if services.explorer is None else services.explorer(),
             }
         )
         if starting is not None:

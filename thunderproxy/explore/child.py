@@ -1,0 +1,96 @@
+"""The explorer's own process: ``serve`` starts it (``mount.py``) to run Datasette off the event
+loop that relays every stream, and relays ``/datasette/`` to it over a Unix socket.
+
+    python -m thunderproxy.explore.child --db DB --socket PATH --parent-pid PID
+
+It binds the socket, writes ``ready`` on stdout, and serves Datasette there on uvicorn and plain
+asyncio (it never imports trio-asyncio, like ``explore``). It never outlives the proxy: the
+kernel kills it when the proxy's thread that started it ends (``PR_SET_PDEATHSIG``, Linux), and
+elsewhere it exits once its stdin, a pipe only the proxy holds, reaches end of file. A query
+stuck in one SQLite instruction past the time limit ends the process with ``EXIT_OVERRUN``
+(``limits.QueryClock``): no thread can be stopped, and the proxy starts a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import sys
+import threading
+
+#: The exit status that says a query overran its time limit inside one SQLite instruction.
+EXIT_OVERRUN = 75
+#: The exit status when the proxy that started this process is gone.
+EXIT_ORPHANED = 76
+#: ``prctl(2)``'s option that sends this process a signal when its parent's thread ends.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when the proxy ends; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the stdin watch below still ends it
+    # The proxy may have died before prctl: this process then has another parent already.
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_ORPHANED)
+
+    def watch_stdin() -> None:
+        # Only the proxy holds the pipe's other end: end of file means it is gone.
+        while os.read(0, 4096):
+            pass
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch_stdin, name="explore-parent", daemon=True).start()
+
+
+def overrun(_seconds: float) -> None:
+    sys.stderr.flush()
+    os._exit(EXIT_OVERRUN)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="thunderproxy.explore.child")
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--time-limit-ms", type=int, default=None)
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
+
+    import uvicorn
+
+    from .instance import SETTINGS, build_datasette
+    from .limits import QueryClock
+    from .standalone import Server, with_root_redirect
+
+    limit_ms: int = args.time_limit_ms or SETTINGS["sql_time_limit_ms"]
+    ds = build_datasette(args.db, QueryClock(limit_ms / 1000, overrun), time_limit_ms=limit_ms)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(args.socket)
+    sock.listen(128)
+    config = uvicorn.Config(
+        with_root_redirect(ds.app()),
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        loop="asyncio",
+        http="h11",
+        # The relay sends every request on kept-alive connections; keep them past its pauses.
+        timeout_keep_alive=60,
+    )
+    # The socket already listens: connections made from now on wait in its backlog.
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    os.dup2(2, 1)  # nothing else goes to the pipe the proxy read "ready" from
+    Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()
