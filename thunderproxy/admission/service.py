@@ -377,11 +377,7 @@ class AdmissionService:
         dimension = verdict.dimension or "queue"
         if verdict.never:
             retry = 60.0
-            message = (
-                f"This call needs {verdict.need} of {model}'s {dimension} but class "
-                f"{klass.name!r} can have at most {verdict.limit:g}; send a shorter prompt or a "
-                "smaller max_tokens, or raise the limit in [limits]."
-            )
+            message = self._never_message(model, klass, dimension, verdict)
         elif verdict.limit is None:
             retry = 1.0
             message = (
@@ -397,6 +393,25 @@ class AdmissionService:
                 f"{klass.max_wait_s:g}s; retry after {retry:.0f}s."
             )
         return RateLimited(message, retry_after_s=retry, program_id=call.program_id)
+
+    def _never_message(self, model: str, klass: ClassSpec, dimension: str, verdict: Verdict) -> str:
+        """Why a call can never be admitted, and the one remedy that helps: a smaller call
+        for a token limit; for a count of requests, only a larger limit or part."""
+        most = verdict.limit or 0.0
+        share = self.limiter.share
+        split = f" (this instance's share is 1/{round(1 / share)})" if share < 1 else ""
+        if WINDOWED.get(dimension, (0.0, False))[1]:
+            return (
+                f"This call needs {verdict.need} tokens of {model}'s {dimension} but class "
+                f"{klass.name!r} can have at most {most:g}{split}; send a shorter prompt or a "
+                f"smaller max_tokens, or raise limits.models.{model}.{dimension} in [limits]."
+            )
+        return (
+            f"Class {klass.name!r} can never run a call of {model}: its part of {model}'s "
+            f"{dimension} limit is {most:g}, less than one call{split}; raise "
+            f"limits.models.{model}.{dimension} or limits.classes.{klass.name}.ratio in "
+            "[limits], or send the call with another program_class."
+        )
 
     # -- helpers --------------------------------------------------------------------------------
 
