@@ -40,6 +40,7 @@ from .errors import (
     ProxyStopping,
     ThunderproxyError,
     describe,
+    reason,
 )
 from .programs import StepUsage
 from .programs.profile import Profiles
@@ -518,6 +519,7 @@ class Gateway:
                 error_type=error_type,
                 message=error.message,
                 program_id=call.program_id,
+                reason=reason(error),
             )
         )
 
