@@ -4,6 +4,7 @@ the queue, 429 with Retry-After from the window, fallbacks that stick, settling 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -320,3 +321,28 @@ async def test_a_call_over_a_token_limit_is_told_to_be_smaller(
         await adm.admit(call("a", max_tokens=1000), trio.current_time())
     assert "send a shorter prompt or a smaller max_tokens" in info.value.message
     assert "raise limits.models.qwen-32b.tpm" in info.value.message
+
+
+async def test_refusals_are_logged_as_one_summary_a_minute(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="thunderproxy.admission")
+    adm, _ = service({BIG: ModelLimits(rpm=1)}, (ClassSpec("now", 1.0, max_wait_s=0.0),))
+    await trio.sleep(1.0)
+    await adm.admit(call("a"), trio.current_time())
+    refused = 0
+    for i in range(50):  # three minutes of refusals, a call every 3.6 s
+        try:
+            await adm.admit(call(f"b{i}"), trio.current_time())
+        except RateLimited:
+            refused += 1
+        await trio.sleep(3.6)
+    await trio.sleep(60.0)
+    adm.statistics(trio.current_time())  # a read (/health, /metrics) flushes the last minute
+    lines = [r.getMessage() for r in caplog.records if r.name == "thunderproxy.admission"]
+    # The first at once, then one a minute: not one per call.
+    assert 3 <= len(lines) <= 5, lines
+    assert lines[0].startswith("admission refused 1 call: 1 of qwen-32b class 'now' on rpm")
+    counted = sum(int(line.split()[2]) for line in lines)
+    assert counted == refused
+    assert lines[1].startswith("admission refused 16 calls in the last 61 s: 16 of qwen-32b")
