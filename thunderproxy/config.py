@@ -428,6 +428,12 @@ class Settings:
     log_level: str = setting(
         "info", "Log verbosity.", choices=("debug", "info", "warning", "error")
     )
+    log_format: str = setting(
+        "text",
+        "Log lines as text, or as one JSON object per line (time, level, logger, message, "
+        "exception) for a log collector.",
+        choices=("text", "json"),
+    )
     passthrough: str = setting(
         ",".join(DEFAULT_PASSTHROUGH),
         "Comma-separated path prefixes relayed to the backends as they are (the inference and "
