@@ -189,3 +189,17 @@ def test_serve_refuses_an_impossible_class_in_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith(f"Error: {config}: limits.classes.b.ratio: class 'b'")
     assert not (tmp_path / "audit.db").exists()  # nothing was started
+
+
+def test_a_limit_on_a_model_no_backend_serves_is_refused(tmp_path: Path) -> None:
+    backends = '[[backends]]\nurl = "http://127.0.0.1:8001"\nmodels = ["qwen-32b"]\n'
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, backends + "[limits.models.qwen-32B]\nrpm = 5\n")
+    assert str(info.value).endswith(
+        "limits.models.qwen-32B: 'qwen-32B' is served by no backend (served: qwen-32b); use a "
+        "served model name (an alias's targets each have their own limits), or add it to a "
+        "[[backends]] models list."
+    )
+    # Where a backend's models are only known from its /v1/models, nothing can be checked.
+    unlisted = '[[backends]]\nurl = "http://127.0.0.1:8001"\n[limits.models.any]\nrpm = 5\n'
+    assert load(tmp_path, unlisted).limits.models["any"].rpm == 5  # type: ignore[attr-defined]

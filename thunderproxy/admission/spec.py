@@ -8,7 +8,7 @@ names the key and the remedy.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -180,6 +180,23 @@ def _check_reachable(
                         f"{math.ceil(1 / most - 1e-9)}, or {other}",
                     )
                 )
+
+
+def check_served(spec: LimitsSpec, served: Collection[str], where: Where) -> None:
+    """Refuse a ``[limits.models.<name>]`` that no backend serves, when every backend lists
+    its models (the limits hold per served name, an alias's targets each by its own): such a
+    limit would never apply."""
+    for name in spec.models:
+        if name not in served:
+            raise (
+                where.dot("models")
+                .dot(name)
+                .error(
+                    f"{name!r} is served by no backend (served: {', '.join(sorted(served))})",
+                    "use a served model name (an alias's targets each have their own limits), or "
+                    "add it to a [[backends]] models list",
+                )
+            )
 
 
 def parse_limits(value: Any, where: Where) -> Mapping[str, Any]:
