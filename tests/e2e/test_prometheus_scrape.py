@@ -120,10 +120,14 @@ async def test_metrics_text_counts_steps_and_latencies(tmp_path: Path) -> None:
         assert streamed.status_code == 200
         missing = await client.post("/v1/chat/completions", json={**body, "model": "nope"})
         assert missing.status_code == 404
+        # Refused at the edge, before the gateway: counted all the same.
+        broken = await client.post("/v1/chat/completions", content=b"{not json")
+        assert broken.status_code == 400
         # The JSON stays the default, for browsers and curl.
         plain = await client.get("/metrics", headers={"accept": "*/*"})
         assert plain.headers["content-type"].startswith("application/json")
         text = (await client.get("/metrics/prometheus")).text
+        backend = setup.sim.url
         negotiated = await client.get("/metrics", headers={"accept": "text/plain;version=0.0.4"})
         assert negotiated.headers["content-type"].startswith("text/plain; version=0.0.4")
     lines = text.splitlines()
@@ -135,6 +139,10 @@ async def test_metrics_text_counts_steps_and_latencies(tmp_path: Path) -> None:
     assert "thunderproxy_ttft_seconds_count 1.0" in lines
     assert "thunderproxy_decode_seconds_count 1.0" in lines
     assert 'thunderproxy_programs{state="acting"} 2.0' in lines
+    assert 'thunderproxy_refusals_total{reason="model_not_found",status="404"} 1.0' in lines
+    assert 'thunderproxy_refusals_total{reason="invalid_request",status="400"} 1.0' in lines
+    # The non-streamed call is timed whole, as the streamed one is.
+    assert f'thunderproxy_call_seconds_count{{backend="{backend}",model="{MODEL}"}} 2.0' in lines
 
 
 @asynccontextmanager
