@@ -281,3 +281,21 @@ async def test_a_whole_answer_logs_nothing(caplog: pytest.LogCaptureFixture) -> 
     async with r.gateway.call(call()) as exchange:
         assert [chunk async for chunk in exchange.stream()]
     assert not [rec for rec in caplog.records if rec.name == "thunderproxy.gateway"]
+
+
+async def test_an_answer_its_backend_ends_with_an_error_event_is_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="thunderproxy.gateway")
+    failed = b'data: {"error": {"message": "engine died", "code": 500}}\n\n'
+    r = rig(ScriptedBackend(chunks=[EVENTS[0], failed, EVENTS[2]]))
+    async with r.gateway.call(call()) as exchange:
+        assert [chunk async for chunk in exchange.stream()]
+    (line,) = [rec for rec in caplog.records if rec.name == "thunderproxy.gateway"]
+    assert line.levelno == logging.WARNING
+    assert line.getMessage() == (
+        f"backend {r.node.url} ended call p-1 (program p) with an error after "
+        f"{len(EVENTS[0]) + len(failed)} bytes relayed: engine died"
+    )
+    (step,) = r.records(StepRecord)
+    assert (step.status, step.error) == (200, "engine died")

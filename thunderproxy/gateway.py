@@ -261,6 +261,8 @@ class Exchange:
                         if self.first_token_at is None:
                             self.first_token_at = first_byte_at
                         self._take_usage(tap)
+                        if tap.error is not None:
+                            self._log_error_event(relayed, tap.error)
                         self.finish(self.status_code, error=tap.error)
                 elif tap.overflowed:
                     # An event without end, past the bound: the backend is broken, and a relay
@@ -290,6 +292,8 @@ class Exchange:
             # An answer with no output at all (or one the tap could not read): its first byte.
             self.first_token_at = first_byte_at
         self._take_usage(tap)
+        if tap.error is not None and not self.done:
+            self._log_error_event(relayed, tap.error)
         self.finish(self.status_code, error=tap.error)
         if tail:
             yield tail
@@ -304,6 +308,19 @@ class Exchange:
             self.lease.program.program_id,
             relayed,
             error.message,
+        )
+
+    def _log_error_event(self, relayed: int, error: str) -> None:
+        """One line per streamed answer that its backend ended with an error of its own (an
+        engine fault mid-generation, an unreadable usage report): the call is recorded as the
+        200 the client got, so only this line and the step's ``error`` say so."""
+        log.warning(
+            "backend %s ended call %s (program %s) with an error after %d bytes relayed: %s",
+            self.node.url,
+            self.lease.request_id,
+            self.lease.program.program_id,
+            relayed,
+            error,
         )
 
     def _take_usage(self, tap: Tap) -> None:
