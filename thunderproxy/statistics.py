@@ -266,12 +266,9 @@ class Counters:
         backend = step.backend or NO_BACKEND
         key = (model, backend, status)
         self.calls[key] = self.calls.get(key, 0) + 1
-        for kind, n in (
-            ("prompt", step.prompt_tokens),
-            ("completion", step.completion_tokens),
-            ("cached", step.cached_tokens),
-        ):
-            if n:
+        counts = (step.prompt_tokens, step.completion_tokens, step.cached_tokens)
+        for kind, n in zip(TOKEN_KINDS, counts, strict=True):
+            if n is not None and n > 0:  # a counter never goes down
                 tokens = (model, backend, kind)
                 self.tokens[tokens] = self.tokens.get(tokens, 0) + n
         if step.sent_at is None:
