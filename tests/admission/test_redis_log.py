@@ -5,13 +5,16 @@ nothing about scripts at start-up."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from tests.admission.conftest import RedisServer
 from tests.admission.test_shared import chat, config, drain, killed_at_exit, serve, stop_instances
+from thunderproxy.admission.shared import RedisLink
 from thunderproxy.sim import SimConfig, open_simulator
 
 BIG = "qwen-32b"
@@ -82,3 +85,29 @@ async def test_a_redis_outage_is_two_lines_not_a_flood(
     )
     assert f"INFO thunderproxy.admission.redis: Redis at {url} is reachable again after " in back
     assert back.endswith("s; KV claims and limits shared with the other instances again")
+
+
+async def test_the_link_logs_once_for_every_part_and_back_when_the_last_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="thunderproxy.admission.redis")
+    link = RedisLink("redis://user:secret@redis.example:6379/0")
+    link.join("limits", lambda: "limits on a local share")
+    link.join("kv", lambda: "no KV claims checked")
+    link.answered("limits")
+    link.answered("kv")
+    link.lost("kv", trio.TooSlowError())
+    link.lost("limits", ConnectionError("refused"))
+    link.lost("kv", ConnectionError("refused"))
+    link.answered("kv")  # the limits still fail: not back yet
+    link.answered("limits")
+    link.answered("kv")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "Redis at redis://redis.example:6379/0 reachable; limits and KV claims shared with the "
+        "other instances",
+        "Redis at redis://redis.example:6379/0 is unreachable (TooSlowError); until it returns: "
+        "limits on a local share; no KV claims checked",
+        "Redis at redis://redis.example:6379/0 is reachable again after 0.0 s; limits and KV "
+        "claims shared with the other instances again",
+    ]

@@ -73,11 +73,12 @@ class RedisLink:
         self._up = False
         self._lost_at = trio.current_time()
         fallbacks = "; ".join(f() for f in self._fallbacks.values())
+        # A timeout has no message of its own: its name says it.
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         log.warning(
-            "Redis at %s is unreachable (%s: %s); until it returns: %s",
+            "Redis at %s is unreachable (%s); until it returns: %s",
             self.url,
-            type(exc).__name__,
-            exc,
+            why,
             fallbacks or "this instance works alone",
         )
 
