@@ -5,6 +5,7 @@ reaches the backend's health."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,3 +257,45 @@ async def test_an_error_event_starts_an_event_of_its_own_after_short_pieces(
     assert b"".join(chunks[:-1]) == EVENTS[0] + b"".join(pieces)
     assert chunks[-1].startswith(b"\n\ndata: ") is separated
     assert chunks[-1].startswith(b"data: ") is not separated
+
+
+async def test_a_call_cut_mid_answer_is_one_warning_naming_backend_program_and_bytes(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="thunderproxy.gateway")
+    r = rig(ScriptedBackend(chunks=[EVENTS[0], 1000.0, EVENTS[2]]), read_timeout=30.0)
+    async with r.gateway.call(call()) as exchange:
+        chunks = [chunk async for chunk in exchange.stream()]
+    assert chunks[0] == EVENTS[0]
+    (line,) = [rec for rec in caplog.records if rec.name == "thunderproxy.gateway"]
+    assert line.levelno == logging.WARNING
+    assert line.getMessage().startswith(
+        f"backend {r.node.url} cut call p-1 (program p) mid-answer after "
+        f"{len(EVENTS[0])} bytes relayed: Backend {r.node.url} did not answer in time"
+    )
+
+
+async def test_a_whole_answer_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="thunderproxy.gateway")
+    r = rig(ScriptedBackend())
+    async with r.gateway.call(call()) as exchange:
+        assert [chunk async for chunk in exchange.stream()]
+    assert not [rec for rec in caplog.records if rec.name == "thunderproxy.gateway"]
+
+
+async def test_an_answer_its_backend_ends_with_an_error_event_is_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="thunderproxy.gateway")
+    failed = b'data: {"error": {"message": "engine died", "code": 500}}\n\n'
+    r = rig(ScriptedBackend(chunks=[EVENTS[0], failed, EVENTS[2]]))
+    async with r.gateway.call(call()) as exchange:
+        assert [chunk async for chunk in exchange.stream()]
+    (line,) = [rec for rec in caplog.records if rec.name == "thunderproxy.gateway"]
+    assert line.levelno == logging.WARNING
+    assert line.getMessage() == (
+        f"backend {r.node.url} ended call p-1 (program p) with an error after "
+        f"{len(EVENTS[0]) + len(failed)} bytes relayed: engine died"
+    )
+    (step,) = r.records(StepRecord)
+    assert (step.status, step.error) == (200, "engine died")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 import sys
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -19,12 +21,31 @@ from .errors import ThunderproxyError, our_error
 DB = SETTINGS_BY_NAME["db"]
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line (``--log-format json``): what a log collector parses without
+    a pattern. A traceback is one string member, so a record stays one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exception"] = record.exc_text
+        return json.dumps(line, ensure_ascii=False)
+
+
+def configure_logging(level: str, log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
     # One line per backend request would drown the proxy's own messages.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
 
@@ -61,7 +82,7 @@ def serve(ctx: click.Context, /, **values: Any) -> None:
     except ThunderproxyError as exc:
         # One line: what is wrong and how to fix it (a usage dump would bury it).
         raise click.ClickException(exc.message) from None
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     if settings.workers > 1:
         from .scaleout import supervise
 

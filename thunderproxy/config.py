@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import click
 
-from .admission.spec import LimitsSpec, parse_limits
+from .admission.spec import LimitsSpec, check_served, parse_limits
 from .errors import ConfigError
 from .http.guard import DEFAULT_PASSTHROUGH, parse_prefixes
 from .urls import redact_url
@@ -427,6 +427,12 @@ class Settings:
     )
     log_level: str = setting(
         "info", "Log verbosity.", choices=("debug", "info", "warning", "error")
+    )
+    log_format: str = setting(
+        "text",
+        "Log lines as text, or as one JSON object per line (time, level, logger, message, "
+        "exception) for a log collector.",
+        choices=("text", "json"),
     )
     passthrough: str = setting(
         ",".join(DEFAULT_PASSTHROUGH),
@@ -970,6 +976,10 @@ def load_settings(
     settings = Settings(**kwargs, **fields)
     if file is not None:
         _check_aliases(settings, Where(file.path, "aliases"))
+        specs = settings.backend_specs
+        if settings.limits is not None and specs and all(b.models is not None for b in specs):
+            served = {m for b in specs for m in b.models or ()}
+            check_served(settings.limits, served, Where(file.path, "limits"))
     if settings.protect_reads and not settings.admin_token:
         raise ConfigError("--protect-reads needs --admin-token: set the token readers must send.")
     if settings.workers > 1 and not settings.redis:

@@ -225,6 +225,13 @@ def describe(error: ThunderproxyError) -> tuple[int, str]:
     return ERRORS[ThunderproxyError]
 
 
+def reason(error: ThunderproxyError) -> str:
+    """Why ``error`` refused a call, as a metric label: its class's name in snake case
+    (``ModelNotFound`` -> ``model_not_found``), a value from this module's bounded set."""
+    name = type(error).__name__ if type(error).__module__ == __name__ else "ThunderproxyError"
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
 def our_error(exc: BaseException) -> ThunderproxyError | None:
     """The ThunderproxyError behind ``exc``, also when nurseries wrapped it in groups."""
     if isinstance(exc, ThunderproxyError):

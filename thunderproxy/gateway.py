@@ -19,6 +19,7 @@ the gateway, nothing else records it.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -40,10 +41,13 @@ from .errors import (
     ProxyStopping,
     ThunderproxyError,
     describe,
+    reason,
 )
 from .programs import StepUsage
 from .programs.profile import Profiles
 from .scheduling import Scheduler, StepLease
+
+log = logging.getLogger("thunderproxy.gateway")
 
 #: Status recorded for a call whose client went away before it ended (nginx's convention).
 CLIENT_CLOSED = 499
@@ -213,6 +217,8 @@ class Exchange:
         #: shorter than a boundary): an error event must not be glued to a half-sent event.
         #: The tail is cut from them only when an error needs it, not per chunk.
         last, before = b"", b""
+        #: Bytes sent to the client so far, for the line that logs a cut answer.
+        relayed = 0
         feed = tap.feed
         following = chunks.__anext__
         try:
@@ -240,6 +246,7 @@ class Exchange:
                         return  # the answer was whole: a connection lost after it is no fault
                     self._take_usage(tap)
                     self.finish(describe(error)[0], error=error.message)
+                    self._log_cut(relayed, error)
                     yield _at_boundary((before + last)[-4:]) + self.call.wire.error_event(error)
                     return
                 if first_byte_at is None:
@@ -256,6 +263,8 @@ class Exchange:
                         if self.first_token_at is None:
                             self.first_token_at = first_byte_at
                         self._take_usage(tap)
+                        if tap.error is not None:
+                            self._log_error_event(relayed, tap.error)
                         self.finish(self.status_code, error=tap.error)
                 elif tap.overflowed:
                     # An event without end, past the bound: the backend is broken, and a relay
@@ -266,11 +275,13 @@ class Exchange:
                         backend=self.node.url,
                     )
                     self.finish(describe(fault)[0], error=fault.message)
+                    self._log_cut(relayed, fault)
                     yield _at_boundary((before + last)[-4:]) + self.call.wire.error_event(fault)
                     return
                 if out:
                     before = (before + last)[-4:] if len(out) < 4 else b""
                     last = out
+                    relayed += len(out)
                     yield out
         finally:
             # The backend's own iterator is closed here, not left to the garbage collector.
@@ -283,9 +294,36 @@ class Exchange:
             # An answer with no output at all (or one the tap could not read): its first byte.
             self.first_token_at = first_byte_at
         self._take_usage(tap)
+        if tap.error is not None and not self.done:
+            self._log_error_event(relayed, tap.error)
         self.finish(self.status_code, error=tap.error)
         if tail:
             yield tail
+
+    def _log_cut(self, relayed: int, error: BackendError) -> None:
+        """One line per answer a backend cut mid-way: the client got an in-band error event
+        after a 200, which its own log may not show."""
+        log.warning(
+            "backend %s cut call %s (program %s) mid-answer after %d bytes relayed: %s",
+            self.node.url,
+            self.lease.request_id,
+            self.lease.program.program_id,
+            relayed,
+            error.message,
+        )
+
+    def _log_error_event(self, relayed: int, error: str) -> None:
+        """One line per streamed answer that its backend ended with an error of its own (an
+        engine fault mid-generation, an unreadable usage report): the call is recorded as the
+        200 the client got, so only this line and the step's ``error`` say so."""
+        log.warning(
+            "backend %s ended call %s (program %s) with an error after %d bytes relayed: %s",
+            self.node.url,
+            self.lease.request_id,
+            self.lease.program.program_id,
+            relayed,
+            error,
+        )
 
     def _take_usage(self, tap: Tap) -> None:
         if tap.usage is not None:
@@ -522,6 +560,7 @@ class Gateway:
                 error_type=error_type,
                 message=error.message,
                 program_id=call.program_id,
+                reason=reason(error),
             )
         )
 

@@ -34,7 +34,7 @@ from hypercorn.trio import serve
 
 from . import __version__
 from .admission.service import AdmissionService, instance_name
-from .admission.shared import SharedBackends, SharedLimits
+from .admission.shared import RedisLink, SharedBackends, SharedLimits
 from .audit import AuditLog, serve_audit_writer
 from .audit.records import TransitionRecord
 from .audit.writer import check_database_path
@@ -312,11 +312,14 @@ async def run(
             profiles = Profiles()
             # With Redis, tr subtracts what the other instances' programs claim on each
             # backend from its capacity, and publishes its own claim.
+            # One line when Redis is lost and one when it is back, for the parts together.
+            link = RedisLink(settings.redis) if settings.redis else None
             kv = (
                 SharedBackends(
                     settings.redis,
                     instance_name(settings),
                     heartbeat_s=settings.redis_heartbeat,
+                    link=link,
                     # 0 (never retired): a day, so Redis does not keep every program for ever.
                     affinity_ttl_s=settings.policy.idle_lease_s or 86_400.0,
                 )
@@ -346,7 +349,9 @@ async def run(
             if settings.limits is not None:
                 instance = instance_name(settings)
                 shared = (
-                    SharedLimits(settings.redis, instance, heartbeat_s=settings.redis_heartbeat)
+                    SharedLimits(
+                        settings.redis, instance, heartbeat_s=settings.redis_heartbeat, link=link
+                    )
                     if settings.redis
                     else None
                 )

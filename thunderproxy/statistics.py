@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from .audit.records import StepRecord, TransitionRecord
+from .audit.records import RejectionRecord, StepRecord, TransitionRecord
 from .programs import ProgramStatus
 
 if TYPE_CHECKING:
@@ -43,6 +43,19 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 #: The latencies of one step, as the ``steps`` table splits them.
 HISTOGRAM_NAMES: tuple[str, ...] = ("ttft", "prefill", "decode", "queue_wait")
+
+#: Distinct ``model`` label values kept; calls of any further name count under ``OTHER``. A
+#: backend whose models are not known yet serves any name a client makes up, and each name
+#: would be a new series in every scraper.
+MAX_MODELS = 64
+OTHER = "_other"
+#: The ``backend`` label of a call that reached none (its client left while it waited).
+NO_BACKEND = "none"
+#: Kinds of tokens counted per model and backend, as the usage reports them.
+TOKEN_KINDS = ("prompt", "completion", "cached")
+
+#: (model, backend): a call's labels.
+CallKey = tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,14 @@ class ProxyStatistics:
     histograms: Mapping[str, HistogramSnapshot] = field(
         default_factory=lambda: Histograms().snapshot()
     )
+    #: Calls refused before any backend saw them, by (reason, HTTP status).
+    refusals: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    #: Finished calls by (model, backend, HTTP status).
+    calls: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    #: Reported tokens by (model, backend, kind): kind one of ``TOKEN_KINDS``.
+    tokens: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    #: Arrival to end of every call that reached a backend, streamed or not, by (model, backend).
+    call_seconds: Mapping[CallKey, HistogramSnapshot] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Callers pass plain dicts; keep read-only copies so the snapshot cannot change later.
@@ -154,6 +175,8 @@ class ProxyStatistics:
         object.__setattr__(self, "components_up", _frozen(self.components_up))
         object.__setattr__(self, "component_restarts", _frozen(self.component_restarts))
         object.__setattr__(self, "histograms", MappingProxyType(dict(self.histograms)))
+        for name in ("refusals", "calls", "tokens", "call_seconds"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
 
 def from_snapshot(
@@ -163,6 +186,10 @@ def from_snapshot(
     pauses: int = 0,
     resumes: int = 0,
     histograms: Mapping[str, HistogramSnapshot] | None = None,
+    refusals: Mapping[tuple[str, str], int] | None = None,
+    calls: Mapping[tuple[str, str, str], int] | None = None,
+    tokens: Mapping[tuple[str, str, str], int] | None = None,
+    call_seconds: Mapping[CallKey, HistogramSnapshot] | None = None,
 ) -> ProxyStatistics:
     """The Prometheus view of the proxy's one snapshot, plus the counters the snapshot does not
     carry (the core counts steps, pauses and resumes as they happen). KV tokens in use are the
@@ -197,23 +224,37 @@ def from_snapshot(
         components_up={c.name: int(c.up) for c in snapshot.components},
         component_restarts={c.name: c.restarts for c in snapshot.components},
         histograms=histograms if histograms is not None else Histograms().snapshot(),
+        refusals=refusals or {},
+        calls=calls or {},
+        tokens=tokens or {},
+        call_seconds=call_seconds or {},
     )
 
 
 class Counters:
     """What Prometheus counts, learnt in one place: every audit record passes through
-    ``observe`` (``AuditLog.observers``), so steps, pauses and resumes are counted exactly as
-    they are recorded, whichever part of the proxy recorded them."""
+    ``observe`` (``AuditLog.observers``), so steps, refusals, pauses and resumes are counted
+    exactly as they are recorded, whichever part of the proxy recorded them. Each record costs
+    a few dict updates; the label sets are bounded (reasons are error classes, backends the
+    pool's nodes, models at most ``MAX_MODELS`` names), never program ids."""
 
     def __init__(self) -> None:
         self.steps_by_status: dict[str, int] = {}
         self.pauses = 0
         self.resumes = 0
         self.histograms = Histograms()
+        self.refusals: dict[tuple[str, str], int] = {}
+        self.calls: dict[tuple[str, str, str], int] = {}
+        self.tokens: dict[tuple[str, str, str], int] = {}
+        self.call_seconds: dict[CallKey, Histograms] = {}
+        self._models: set[str] = set()
 
     def observe(self, record: object) -> None:
         if isinstance(record, StepRecord):
             self._step(record)
+        elif isinstance(record, RejectionRecord):
+            key = (record.reason, str(record.status))
+            self.refusals[key] = self.refusals.get(key, 0) + 1
         elif isinstance(record, TransitionRecord):
             moved = record.transition
             if moved.to_status is ProgramStatus.PAUSED:
@@ -224,11 +265,33 @@ class Counters:
             ):
                 self.resumes += 1
 
+    def _model(self, model: str | None) -> str:
+        name = model or ""
+        if name in self._models:
+            return name
+        if len(self._models) >= MAX_MODELS:
+            return OTHER
+        self._models.add(name)
+        return name
+
     def _step(self, step: StepRecord) -> None:
         status = str(step.status)
         self.steps_by_status[status] = self.steps_by_status.get(status, 0) + 1
+        model = self._model(step.model)
+        backend = step.backend or NO_BACKEND
+        key = (model, backend, status)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        counts = (step.prompt_tokens, step.completion_tokens, step.cached_tokens)
+        for kind, n in zip(TOKEN_KINDS, counts, strict=True):
+            if n is not None and n > 0:  # a counter never goes down
+                tokens = (model, backend, kind)
+                self.tokens[tokens] = self.tokens.get(tokens, 0) + n
         if step.sent_at is None:
             return  # never sent: it has no latencies, only its count
+        per_call = self.call_seconds.get((model, backend))
+        if per_call is None:
+            per_call = self.call_seconds[(model, backend)] = Histograms(names=("call",))
+        per_call.observe("call", step.finished_at - step.arrived_at)
         self.histograms.observe("queue_wait", step.queue_s)
         first = step.first_token_at
         if first is None or step.status >= 400:
@@ -245,4 +308,8 @@ class Counters:
             pauses=self.pauses,
             resumes=self.resumes,
             histograms=self.histograms.snapshot(),
+            refusals=self.refusals,
+            calls=self.calls,
+            tokens=self.tokens,
+            call_seconds={key: h.snapshot()["call"] for key, h in self.call_seconds.items()},
         )

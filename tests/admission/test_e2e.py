@@ -161,3 +161,33 @@ async def test_a_waiting_client_that_leaves_is_not_sent_upstream(tmp_path: Path)
             await wait_for(lambda: waiting() == 0)
     rows = query(db, "select program_id, status, backend from steps where program_id = 'leaver'")
     assert rows == [{"program_id": "leaver", "status": 499, "backend": None}]
+
+
+async def test_a_call_that_can_never_fit_gets_its_429_at_once(tmp_path: Path) -> None:
+    # Built directly (a config file with it is refused at start): 0.4 of 2 concurrent calls,
+    # the only lender fixed. Before, such a call waited its class's whole 120 s.
+    spec = LimitsSpec(
+        {BIG: ModelLimits(concurrent=2)},
+        (
+            ClassSpec("interactive", 0.6, flexible=False),
+            ClassSpec("batch", 0.4, max_wait_s=120.0),
+        ),
+        "interactive",
+    )
+    async with (
+        open_simulator(SimConfig(served_model_name=BIG, time_scale=0.02)) as big,
+        running_proxy(tmp_path / "audit.db", backends=big.url, limits=spec) as proxy,
+        httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+    ):
+        started = trio.current_time()
+        refused = await client.post(
+            "/v1/chat/completions", json=chat(BIG, "b", program_class="batch")
+        )
+        took = trio.current_time() - started
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["type"] == "rate_limit_error"
+    assert "limits.models.qwen-32b.concurrent or limits.classes.batch.ratio" in error["message"]
+    # 12-19 ms measured on a loaded two-core machine; the bound leaves room for a busier one
+    # and is still far below the 120 s wait.
+    assert took < 2.0

@@ -4,6 +4,7 @@ the queue, 429 with Retry-After from the window, fallbacks that stick, settling 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -276,3 +277,72 @@ async def test_a_backend_limit_holds_calls_of_a_model_with_none(
         ("b", "reject", "rpm"),
         ("c", "admit", None),
     ]
+
+
+async def test_a_class_whose_most_is_below_one_call_is_refused_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 0.4 of 2 concurrent calls, and the only lender is fixed: this class can never run a call.
+    classes = (
+        ClassSpec("interactive", 0.6, flexible=False),
+        ClassSpec("batch", 0.4, max_wait_s=120.0),
+    )
+    adm, rx = service({BIG: ModelLimits(concurrent=2)}, classes)
+    start = trio.current_time()
+    with pytest.raises(RateLimited) as info:
+        await adm.admit(call("b", program_class="batch"), start)
+    assert trio.current_time() == start  # not a moment of its 120 s wait
+    message = info.value.message
+    assert "Class 'batch' can never run a call of qwen-32b" in message
+    assert "concurrent limit is 0.8, less than one call" in message
+    assert "raise limits.models.qwen-32b.concurrent or limits.classes.batch.ratio" in message
+    assert "shorter prompt" not in message
+    assert [(p, a) for p, a, _ in decisions(rx)] == [("b", "reject")]
+
+
+async def test_an_rpm_refusal_names_waiting_or_a_larger_limit_not_a_shorter_prompt(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm, _ = service({BIG: ModelLimits(rpm=1)})
+    adm.limiter.set_share(1 / 3)  # three instances share one call a minute: 1/3 each
+    with pytest.raises(RateLimited) as info:
+        await adm.admit(call("a"), trio.current_time())
+    message = info.value.message
+    assert "its part of qwen-32b's rpm limit is 0.333333" in message
+    assert "(this instance's share is 1/3)" in message
+    assert "shorter prompt" not in message
+
+
+async def test_a_call_over_a_token_limit_is_told_to_be_smaller(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm, _ = service({BIG: ModelLimits(tpm=50)})
+    with pytest.raises(RateLimited) as info:
+        await adm.admit(call("a", max_tokens=1000), trio.current_time())
+    assert "send a shorter prompt or a smaller max_tokens" in info.value.message
+    assert "raise limits.models.qwen-32b.tpm" in info.value.message
+
+
+async def test_refusals_are_logged_as_one_summary_a_minute(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="thunderproxy.admission")
+    adm, _ = service({BIG: ModelLimits(rpm=1)}, (ClassSpec("now", 1.0, max_wait_s=0.0),))
+    await trio.sleep(1.0)
+    await adm.admit(call("a"), trio.current_time())
+    refused = 0
+    for i in range(50):  # three minutes of refusals, a call every 3.6 s
+        try:
+            await adm.admit(call(f"b{i}"), trio.current_time())
+        except RateLimited:
+            refused += 1
+        await trio.sleep(3.6)
+    await trio.sleep(60.0)
+    adm.statistics(trio.current_time())  # a read (/health, /metrics) flushes the last minute
+    lines = [r.getMessage() for r in caplog.records if r.name == "thunderproxy.admission"]
+    # The first at once, then one a minute: not one per call.
+    assert 3 <= len(lines) <= 5, lines
+    assert lines[0].startswith("admission refused 1 call: 1 of qwen-32b class 'now' on rpm")
+    counted = sum(int(line.split()[2]) for line in lines)
+    assert counted == refused
+    assert lines[1].startswith("admission refused 16 calls in the last 61 s: 16 of qwen-32b")

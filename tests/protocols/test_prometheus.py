@@ -4,21 +4,28 @@ accumulator behind it."""
 from __future__ import annotations
 
 import math
+import platform
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from thunderproxy import __version__
 from thunderproxy import snapshot as snapshot_module
+from thunderproxy.audit.records import RejectionRecord, StepRecord
 from thunderproxy.audit.writer import AuditStatistics
 from thunderproxy.backends.metrics import EngineSnapshot
+from thunderproxy.errors import ModelNotFound, NoBackendAvailable, NotReady, RateLimited, reason
 from thunderproxy.http.prometheus import CONTENT_TYPE, PROMETHEUS_PATH, render, wants_prometheus
 from thunderproxy.programs import ProgramStatus
 from thunderproxy.programs.registry import BackendLoad
 from thunderproxy.statistics import (
     LATENCY_BUCKETS,
+    MAX_MODELS,
+    OTHER,
     BackendStatistics,
+    Counters,
     Histograms,
     ProxyStatistics,
     from_snapshot,
@@ -231,3 +238,94 @@ def test_the_proxys_snapshot_becomes_the_prometheus_view() -> None:
     assert got[("thunderproxy_audit_rows_dropped_total", ())] == 1
     assert got[("thunderproxy_steps_total", (("status", "200"),))] == 7
     assert got[("thunderproxy_pauses_total", ())] == 3
+
+
+EMPTY = snapshot_module.Statistics(
+    router="default",
+    programs=0,
+    by_status={},
+    backends=(),
+    served_models=(),
+    audit=AuditStatistics(accepted=0, written=0, dropped=0, queued=0, batches=0),
+)
+
+
+def _step(model: str, backend: str | None, status: int = 200, **fields: Any) -> StepRecord:
+    values: dict[str, Any] = {
+        "request_id": "r",
+        "program_id": "p",
+        "step": 1,
+        "backend": backend,
+        "endpoint": "/v1/chat/completions",
+        "model": model,
+        "stream": False,
+        "arrived_at": 10.0,
+        "sent_at": 10.5 if backend else None,
+        "first_token_at": None,
+        "finished_at": 13.0,
+        "tool_s": None,
+        "prompt_tokens": 100,
+        "completion_tokens": 20,
+        "cached_tokens": 64,
+        "status": status,
+    }
+    return StepRecord(**(values | fields))
+
+
+def test_counters_split_calls_tokens_and_refusals_by_bounded_labels() -> None:
+    counters = Counters()
+    gpu0 = "http://gpu0:8000"
+    counters.observe(_step("a", gpu0))  # not streamed: no first token, still timed whole
+    counters.observe(_step("a", gpu0, status=502, prompt_tokens=None, completion_tokens=None))
+    counters.observe(_step("b", None, status=499))  # the client left while it waited
+    for why, status in (("model_not_found", 404), ("rate_limited", 429), ("rate_limited", 429)):
+        counters.observe(
+            RejectionRecord(1.0, "POST", "/v1/chat/completions", status, "t", "m", reason=why)
+        )
+    got = samples(render(counters.view(EMPTY)))
+    assert (
+        got[("thunderproxy_refusals_total", (("reason", "rate_limited"), ("status", "429")))] == 2
+    )
+    assert (
+        got[("thunderproxy_refusals_total", (("reason", "model_not_found"), ("status", "404")))]
+        == 1
+    )
+    a0 = (("backend", gpu0), ("model", "a"))
+    assert got[("thunderproxy_calls_total", (*a0, ("status", "200")))] == 1
+    assert got[("thunderproxy_calls_total", (*a0, ("status", "502")))] == 1
+    assert (
+        got[("thunderproxy_calls_total", (("backend", "none"), ("model", "b"), ("status", "499")))]
+        == 1
+    )
+    assert got[("thunderproxy_tokens_total", (*a0[:1], ("kind", "prompt"), a0[1]))] == 100
+    assert got[("thunderproxy_tokens_total", (*a0[:1], ("kind", "completion"), a0[1]))] == 20
+    assert got[("thunderproxy_tokens_total", (*a0[:1], ("kind", "cached"), a0[1]))] == 128
+    # Both calls that reached a backend are timed, arrival to end; the one that never did is not.
+    assert got[("thunderproxy_call_seconds_count", a0)] == 2
+    assert got[("thunderproxy_call_seconds_sum", a0)] == 6.0
+    assert ("thunderproxy_call_seconds_count", (("backend", "none"), ("model", "b"))) not in got
+    assert (
+        got[
+            (
+                "thunderproxy_build_info",
+                (("python", platform.python_version()), ("version", __version__)),
+            )
+        ]
+        == 1
+    )
+
+
+def test_model_names_past_the_bound_count_as_other() -> None:
+    counters = Counters()
+    for i in range(MAX_MODELS + 10):
+        counters.observe(_step(f"made-up-{i}", "http://gpu0:8000"))
+    models = {model for model, _, _ in counters.calls}
+    assert len(models) == MAX_MODELS + 1
+    assert counters.calls[(OTHER, "http://gpu0:8000", "200")] == 10
+
+
+def test_a_refusal_reason_is_its_error_class() -> None:
+    assert reason(ModelNotFound("x", ["a"])) == "model_not_found"
+    assert reason(RateLimited("full", retry_after_s=1.0)) == "rate_limited"
+    assert reason(NotReady("starting", retry_after_s=1.0)) == "not_ready"
+    assert reason(NoBackendAvailable("none")) == "no_backend_available"

@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .spec import ClassSpec, LimitsSpec, ModelLimits
+from .spec import ClassSpec, LimitsSpec, ModelLimits, most_of
 
 MINUTE = 60.0
 DAY = 86_400.0
@@ -220,8 +220,12 @@ class Limiter:
             never = need > capacity
             return Verdict(False, dimension, capacity, total, need, retry_at, never)
         if used[klass.name] + need > allowed:
-            never = need > (capacity if klass.flexible else part)
-            return Verdict(False, dimension, allowed, used[klass.name], need, retry_at, never)
+            # The most the class can ever have: its part, plus, when flexible, every other
+            # flexible class's part lent whole. A call past that waits for nothing.
+            most = capacity * most_of(klass, self.spec.classes)
+            if need > most + 1e-9:
+                return Verdict(False, dimension, most, used[klass.name], need, retry_at, True)
+            return Verdict(False, dimension, allowed, used[klass.name], need, retry_at)
         return Verdict(True, dimension, allowed, used[klass.name], need)
 
     def reserve(

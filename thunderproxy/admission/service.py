@@ -42,6 +42,8 @@ CLASS_HEADER = "x-program-class"
 PINNED_PROGRAMS = 100_000
 #: Weight of the newest completion in a model's learned completion length.
 COMPLETION_ALPHA = 0.2
+#: Seconds between the log's summaries of refused calls (the first refusal is logged at once).
+REFUSALS_EVERY_S = 60.0
 
 
 @dataclass
@@ -119,10 +121,14 @@ class AdmissionService:
         self.sizers: dict[str, PromptSizer] = {}
         self.completions: dict[str, float] = {}
         self.counts: dict[str, int] = {"admit": 0, "queue": 0, "reject": 0, "fallback": 0}
+        #: Refusals not logged yet, by (model, class, limit), and when the last summary was.
+        self._refused: dict[tuple[str, str, str], int] = {}
+        self._refusals_logged_at: float | None = None
 
     # -- the gateway's two calls ----------------------------------------------------------------
 
     async def admit(self, call: Call, now: float) -> Admitted:
+        self._summarise(now)
         klass = self._class(call)
         chain = self._chain(call.model)
         index = self.pinned.get(call.program_id, 0)
@@ -157,6 +163,7 @@ class AdmissionService:
             raise self._refuse(call, served, klass, tokens, refusal, now)
 
     def done(self, admitted: Admitted, usage: StepUsage | None, status: int, now: float) -> None:
+        self._summarise(now)
         if not isinstance(admitted, Ticket) or admitted.settled:
             return
         admitted.settled = True
@@ -375,13 +382,12 @@ class AdmissionService:
             verdict=verdict,
         )
         dimension = verdict.dimension or "queue"
+        key = (model, klass.name, dimension)
+        self._refused[key] = self._refused.get(key, 0) + 1
+        self._summarise(now)
         if verdict.never:
             retry = 60.0
-            message = (
-                f"This call needs {verdict.need} of {model}'s {dimension} but class "
-                f"{klass.name!r} can have at most {verdict.limit:g}; send a shorter prompt or a "
-                "smaller max_tokens, or raise the limit in [limits]."
-            )
+            message = self._never_message(model, klass, dimension, verdict)
         elif verdict.limit is None:
             retry = 1.0
             message = (
@@ -397,6 +403,49 @@ class AdmissionService:
                 f"{klass.max_wait_s:g}s; retry after {retry:.0f}s."
             )
         return RateLimited(message, retry_after_s=retry, program_id=call.program_id)
+
+    def _summarise(self, now: float) -> None:
+        """Log the refusals not logged yet, at most once every ``REFUSALS_EVERY_S``: one line
+        for a minute of 429s, not one per call (the decisions rows keep each)."""
+        if not self._refused:
+            return
+        since = self._refusals_logged_at
+        if since is not None and now - since < REFUSALS_EVERY_S:
+            return
+        refused = sorted(self._refused.items(), key=lambda item: -item[1])
+        total = sum(n for _, n in refused)
+        log.warning(
+            "admission refused %d call%s%s: %s (429 by [limits]; a summary at most every %g s)",
+            total,
+            "" if total == 1 else "s",
+            "" if since is None else f" in the last {now - since:.0f} s",
+            ", ".join(
+                f"{n} of {model} class {klass!r} on {dimension}"
+                for (model, klass, dimension), n in refused
+            ),
+            REFUSALS_EVERY_S,
+        )
+        self._refused.clear()
+        self._refusals_logged_at = now
+
+    def _never_message(self, model: str, klass: ClassSpec, dimension: str, verdict: Verdict) -> str:
+        """Why a call can never be admitted, and the one remedy that helps: a smaller call
+        for a token limit; for a count of requests, only a larger limit or part."""
+        most = verdict.limit or 0.0
+        share = self.limiter.share
+        split = f" (this instance's share is 1/{round(1 / share)})" if share < 1 else ""
+        if WINDOWED.get(dimension, (0.0, False))[1]:
+            return (
+                f"This call needs {verdict.need} tokens of {model}'s {dimension} but class "
+                f"{klass.name!r} can have at most {most:g}{split}; send a shorter prompt or a "
+                f"smaller max_tokens, or raise limits.models.{model}.{dimension} in [limits]."
+            )
+        return (
+            f"Class {klass.name!r} can never run a call of {model}: its part of {model}'s "
+            f"{dimension} limit is {most:g}, less than one call{split}; raise "
+            f"limits.models.{model}.{dimension} or limits.classes.{klass.name}.ratio in "
+            "[limits], or send the call with another program_class."
+        )
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -511,6 +560,7 @@ class AdmissionService:
     # -- what /health and /metrics show ---------------------------------------------------------
 
     def statistics(self, now: float) -> dict[str, Any]:
+        self._summarise(now)  # a quiet proxy's last refusals are still logged when read
         now += self.offset
         models: dict[str, Any] = {}
         for model, limits in self.spec.models.items():

@@ -34,6 +34,72 @@ from .spec import ModelLimits
 
 log = logging.getLogger("thunderproxy.admission.redis")
 
+
+def quiet_client_logs() -> None:
+    """Keep the Redis client's own logging below WARNING: it logs every retry of every
+    command at INFO (dozens of lines a second while Redis is away, and a "No matching script"
+    retry for each script's first run). ``RedisLink`` says what an operator needs, once. A
+    level set explicitly (``logging.getLogger("coredis").setLevel``) is left as it is."""
+    client = logging.getLogger("coredis")
+    if client.level == logging.NOTSET:
+        client.setLevel(logging.WARNING)
+
+
+#: What each part of an instance shares through Redis, for the log.
+SHARED = {"limits": "limits", "kv": "KV claims"}
+
+
+class RedisLink:
+    """Whether this instance reaches Redis, as every part that uses it sees it (the shared
+    limits, the shared KV claims): one line when the first part loses it, one when the last
+    part has it back, nothing for each failed command between."""
+
+    def __init__(self, url: str) -> None:
+        self.url = redact_url(url)
+        #: What each part does while Redis is away, by part, for the line that says it is lost.
+        self._fallbacks: dict[str, Callable[[], str]] = {}
+        self._down: set[str] = set()
+        #: None until the first answer or failure; then whether the last line said reachable.
+        self._up: bool | None = None
+        self._lost_at = 0.0
+
+    def join(self, part: str, fallback: Callable[[], str]) -> None:
+        self._fallbacks[part] = fallback
+
+    def lost(self, part: str, exc: BaseException) -> None:
+        self._down.add(part)
+        if self._up is False:
+            return
+        self._up = False
+        self._lost_at = trio.current_time()
+        fallbacks = "; ".join(f() for f in self._fallbacks.values())
+        # A timeout has no message of its own: its name says it.
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        log.warning(
+            "Redis at %s is unreachable (%s); until it returns: %s",
+            self.url,
+            why,
+            fallbacks or "this instance works alone",
+        )
+
+    def answered(self, part: str) -> None:
+        self._down.discard(part)
+        if self._up is True or self._down:
+            return
+        shared = " and ".join(SHARED.get(p, p) for p in self._fallbacks)
+        if self._up is None:
+            log.info("Redis at %s reachable; %s shared with the other instances", self.url, shared)
+        else:
+            log.info(
+                "Redis at %s is reachable again after %.1f s; %s shared with the other "
+                "instances again",
+                self.url,
+                trio.current_time() - self._lost_at,
+                shared,
+            )
+        self._up = True
+
+
 #: Seconds a Redis command may take before the instance treats Redis as away.
 COMMAND_TIMEOUT_S = 0.5
 PREFIX = "thunderproxy:limits"
@@ -123,11 +189,24 @@ def day_key(model: str, index: int) -> str:
 class SharedLimits:
     """The Redis side of the limits of one instance; ``serve`` runs its heartbeat."""
 
-    def __init__(self, url: str, instance: str, *, heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        instance: str,
+        *,
+        heartbeat_s: float = 1.0,
+        link: RedisLink | None = None,
+    ) -> None:
         import coredis  # only an instance configured with --redis needs the client
 
+        quiet_client_logs()
         #: Shown and logged without the credentials a Redis URL may carry.
         self.url = redact_url(url)
+        #: Logs Redis lost and back, once for every part of this instance that uses it.
+        self.link = link or RedisLink(url)
+        self.link.join(
+            "limits", lambda: f"limits on a local share of 1/{self.instances} of every limit"
+        )
         self.instance = instance
         self.heartbeat_s = heartbeat_s
         self.client: Any = coredis.Redis.from_url(url, decode_responses=True)
@@ -214,14 +293,8 @@ class SharedLimits:
 
     def _away(self, exc: BaseException) -> None:
         if self.reachable:
-            log.warning(
-                "Redis at %s is unreachable (%s); serving on a local share of 1/%d of every "
-                "limit until it returns",
-                self.url,
-                type(exc).__name__,
-                self.instances,
-            )
             self.away_since = trio.current_time()
+        self.link.lost("limits", exc)
         self.reachable = False
         self.last_error = f"{type(exc).__name__}: {exc}"
 
@@ -233,8 +306,7 @@ class SharedLimits:
         except (trio.TooSlowError, OSError, Exception) as exc:  # noqa: BLE001 - any failure: away
             self._away(exc)
             return
-        if not self.reachable:
-            log.info("Redis at %s reachable; %d live instances share the limits", self.url, count)
+        self.link.answered("limits")
         self.reachable = True
         self.away_since = None
         self._count(int(count))
@@ -419,11 +491,20 @@ class SharedBackends:
     then schedules alone, as without Redis); /health says so (``statistics``)."""
 
     def __init__(
-        self, url: str, instance: str, *, heartbeat_s: float = 1.0, affinity_ttl_s: float = 600.0
+        self,
+        url: str,
+        instance: str,
+        *,
+        heartbeat_s: float = 1.0,
+        affinity_ttl_s: float = 600.0,
+        link: RedisLink | None = None,
     ) -> None:
         import coredis
 
+        quiet_client_logs()
         self.url = redact_url(url)
+        self.link = link or RedisLink(url)
+        self.link.join("kv", lambda: "tr checks no KV claim with the other instances")
         self.instance = instance
         self.heartbeat_s = heartbeat_s
         #: How long a program's backend is remembered after its last call (the idle lease:
@@ -502,8 +583,7 @@ class SharedBackends:
     def _answered(self, answer: Any, heads: int = 1) -> None:
         """Take in a script's answer: ``heads`` values, then backend, tokens pairs, the last
         one the live others' count (KV_READ)."""
-        if not self.reachable:
-            log.info("Redis at %s reachable; tr counts the other instances' KV claims", self.url)
+        self.link.answered("kv")
         self.reachable = True
         self.away_since = None
         others = {str(answer[i]): int(answer[i + 1]) for i in range(heads, len(answer), 2)}
@@ -513,13 +593,8 @@ class SharedBackends:
 
     def _away(self, exc: BaseException) -> None:
         if self.reachable or self.away_since is None:
-            log.warning(
-                "Redis at %s is unreachable (%s); tr sees only this instance's programs and "
-                "checks no KV claim with the others until it returns",
-                self.url,
-                type(exc).__name__,
-            )
             self.away_since = trio.current_time()
+        self.link.lost("kv", exc)
         self.reachable = False
         self.last_error = f"{type(exc).__name__}: {exc}"
 

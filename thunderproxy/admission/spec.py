@@ -7,7 +7,8 @@ names the key and the remedy.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +143,62 @@ def _class(name: str, value: Any, where: Where) -> ClassSpec:
     return ClassSpec(name, float(ratio), flexible, float(wait))
 
 
+def most_of(klass: ClassSpec, classes: tuple[ClassSpec, ...]) -> float:
+    """The largest part of a model's capacity ``klass`` can ever use: its ratio, plus, when
+    flexible, every other flexible class's ratio lent whole."""
+    if not klass.flexible:
+        return klass.ratio
+    return sum(c.ratio for c in classes if c.flexible)
+
+
+def _check_reachable(
+    models: Mapping[str, ModelLimits], classes: tuple[ClassSpec, ...], where: Where
+) -> None:
+    """Refuse a class that could never be admitted a call of a limited model: its most of a
+    limit below one request (rpm, rpd, concurrent) or one token (tpm, tpd). Such a call would
+    only ever wait out its ``max_wait``; this instance alone is assumed (with several, each
+    has 1/n of every limit, and a call that cannot fit then is refused at once)."""
+    for name, limits in models.items():
+        for klass in classes:
+            most = most_of(klass, classes)
+            for key in LIMIT_KEYS:
+                limit = getattr(limits, key)
+                if limit is None or limit * most >= 1 - 1e-9:
+                    continue
+                unit = "token" if key in ("tpm", "tpd") else "call"
+                kind = "flexible, borrowing all it can" if klass.flexible else "fixed"
+                other = "the class's ratio" + ("" if klass.flexible else " (or make it flexible)")
+                raise (
+                    where.dot("classes")
+                    .dot(klass.name)
+                    .dot("ratio")
+                    .error(
+                        f"class {klass.name!r} ({kind}) can never be admitted a call of {name}: "
+                        f"{most:g} of limits.models.{name}.{key} = {limit} is {limit * most:g}, "
+                        f"less than one {unit}",
+                        f"raise limits.models.{name}.{key} to at least "
+                        f"{math.ceil(1 / most - 1e-9)}, or {other}",
+                    )
+                )
+
+
+def check_served(spec: LimitsSpec, served: Collection[str], where: Where) -> None:
+    """Refuse a ``[limits.models.<name>]`` that no backend serves, when every backend lists
+    its models (the limits hold per served name, an alias's targets each by its own): such a
+    limit would never apply."""
+    for name in spec.models:
+        if name not in served:
+            raise (
+                where.dot("models")
+                .dot(name)
+                .error(
+                    f"{name!r} is served by no backend (served: {', '.join(sorted(served))})",
+                    "use a served model name (an alias's targets each have their own limits), or "
+                    "add it to a [[backends]] models list",
+                )
+            )
+
+
 def parse_limits(value: Any, where: Where) -> Mapping[str, Any]:
     """``[limits]``: ``[limits.models.<name>]`` and ``[limits.backends.<url or name>]`` tables
     of rpm/tpm/rpd/tpd/concurrent, ``[limits.classes.<name>]`` tables of
@@ -171,5 +228,6 @@ def parse_limits(value: Any, where: Where) -> Mapping[str, Any]:
             f"{default!r} is not a class", "name one of: " + ", ".join(names)
         )
     completion = _count(table.get("completion_tokens", 256), where.dot("completion_tokens"))
+    _check_reachable(models, classes, where)
     spec = LimitsSpec(models, classes, default, completion, backends)
     return {"limits": spec}

@@ -316,6 +316,10 @@ class RejectionRecord:
     error_type: str
     message: str
     program_id: str | None = None
+    #: The refusing error's class (``errors.reason``), counted by the metrics, not stored.
+    reason: str = "other"
 
     def row(self, to_unix: ToUnix) -> dict[str, Any]:
-        return _stamped(self, to_unix)
+        row = _stamped(self, to_unix)
+        del row["reason"]
+        return row

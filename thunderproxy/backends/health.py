@@ -7,9 +7,12 @@ back.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from ..errors import BackendError, BackendUnavailable
+
+log = logging.getLogger("thunderproxy.backends")
 
 #: Consecutive timeouts after which a backend is treated as down until it answers again.
 FAILURES_BEFORE_UNHEALTHY = 3
@@ -17,29 +20,54 @@ FAILURES_BEFORE_UNHEALTHY = 3
 
 @dataclass
 class Health:
+    """One backend's health. Each change of ``healthy`` is logged once, here: a WARNING with
+    the cause when the backend is taken out, an INFO when it is back; the failures between
+    (every call refused while it is down, every failed poll) log nothing more."""
+
     #: Optimistic until a poll or a request says otherwise, so the first request is not refused.
     healthy: bool = True
     #: Consecutive failures; reset by any success.
     failures: int = 0
     last_error: str | None = None
+    #: The backend's URL (credentials removed), for the log.
+    backend: str = ""
+    #: What took it out, kept for the line that says it is back.
+    cause: str | None = None
 
     def ok(self) -> None:
+        if not self.healthy:
+            log.info(
+                "backend %s is healthy again; it had been taken out by: %s",
+                self.backend,
+                self.cause,
+            )
+            self.cause = None
         self.healthy = True
         self.failures = 0
         self.last_error = None
 
     def down(self, error: str) -> None:
         """The backend is down: it refused a connection or failed its health check."""
-        self.healthy = False
         self.failures += 1
         self.last_error = error
+        self._out(error)
 
     def slow(self, error: str) -> None:
         """A probe or request timed out: only several in a row take the backend out."""
         self.failures += 1
         self.last_error = error
         if self.failures >= FAILURES_BEFORE_UNHEALTHY:
-            self.healthy = False
+            self._out(f"{self.failures} timeouts in a row, the last: {error}")
+
+    def _out(self, cause: str) -> None:
+        if self.healthy:
+            log.warning(
+                "backend %s is unhealthy; no call is placed on it until it answers again: %s",
+                self.backend,
+                cause,
+            )
+            self.cause = cause
+        self.healthy = False
 
     def answered(self, status: int) -> None:
         """A request got an HTTP answer: below 500 the backend works."""

@@ -43,6 +43,9 @@ class BackendNode:
     #: The backend's own ``/v1/models`` entries, by id, as its last poll returned them.
     model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.health.backend = self.url
+
     @property
     def healthy(self) -> bool:
         return self.health.healthy

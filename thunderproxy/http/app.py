@@ -29,6 +29,7 @@ from ..errors import (
     ProgramUnknown,
     ThunderproxyError,
     describe,
+    reason,
 )
 from ..gateway import Gateway
 from ..programs import Program, ProgramStatus
@@ -206,7 +207,13 @@ def create_app(services: Services) -> ThunderproxyApp:
     edges = Edges(gateway=services.gateway, recognizer=services.recognizer)
 
     def record_rejection(
-        status: int, error_type: str, message: str, program_id: str | None, method: str, path: str
+        status: int,
+        error_type: str,
+        message: str,
+        program_id: str | None,
+        method: str,
+        path: str,
+        why: str,
     ) -> None:
         audit.record(
             RejectionRecord(
@@ -217,6 +224,7 @@ def create_app(services: Services) -> ThunderproxyApp:
                 error_type=error_type,
                 message=message,
                 program_id=program_id,
+                reason=why,
             )
         )
 
@@ -225,8 +233,17 @@ def create_app(services: Services) -> ThunderproxyApp:
         # for one comes to these handlers outside any request context.
         return request if has_request_context() else websocket
 
-    def reject(status: int, error_type: str, message: str, program_id: str | None) -> None:
-        record_rejection(status, error_type, message, program_id, asked().method, asked().path)
+    def reject(error: ThunderproxyError) -> None:
+        status, error_type = describe(error)
+        record_rejection(
+            status,
+            error_type,
+            error.message,
+            error.program_id,
+            asked().method,
+            asked().path,
+            reason(error),
+        )
 
     app.fast = FastRoutes(
         edges=edges,
@@ -241,8 +258,7 @@ def create_app(services: Services) -> ThunderproxyApp:
     @app.errorhandler(ThunderproxyError)
     async def handle_error(error: ThunderproxyError) -> Response:
         if not asked().scope.get(RECORDED_KEY):  # the gateway recorded the calls it was given
-            status, error_type = describe(error)
-            reject(status, error_type, error.message, error.program_id)
+            reject(error)
         return error_response(error, error_shape(asked().path))
 
     @app.errorhandler(HTTPException)

@@ -41,6 +41,7 @@ from ..errors import (
     ShuttingDown,
     ThunderproxyError,
     describe,
+    reason,
 )
 from ..protocols import Protocol
 from .drain import Drain
@@ -67,7 +68,8 @@ BODY_WRITER = "thunderproxy.body_writer"
 
 #: Reports a refusal that the gateway did not record: (status, type, message, program id,
 #: method, path).
-Reject = Callable[[int, str, str, "str | None", str, str], None]
+#: status, OpenAI type, message, program id, method, path, reason (``errors.reason``).
+Reject = Callable[[int, str, str, "str | None", str, str, str], None]
 
 
 def payload_too_large(limit: int) -> PayloadTooLarge:
@@ -225,6 +227,7 @@ class FastRoutes:
                 error.program_id,
                 "POST",
                 scope["path"],
+                reason(error),
             )
         await self._send_reply(send, Reply(status, list(headers.items()), content))
 

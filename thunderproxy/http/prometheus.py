@@ -8,9 +8,10 @@ proxies in one process (tests, the bench) never see each other's metrics.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -19,7 +20,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ..statistics import ProxyStatistics
+from .. import __version__
+from ..statistics import HistogramSnapshot, ProxyStatistics
 
 PROMETHEUS_PATH = "/metrics/prometheus"
 #: Text format 0.0.4: every Prometheus version reads it (it is in the scraper's Accept list).
@@ -131,19 +133,76 @@ class _SnapshotCollector(Collector):
 
         for name, histogram in sorted(s.histograms.items()):
             help_text = _HISTOGRAM_HELP.get(name, f"Seconds of {name}.")
-            buckets = [
-                ("+Inf" if bound == float("inf") else repr(float(bound)), n)
-                for bound, n in histogram.cumulative()
-            ]
             yield HistogramMetricFamily(
-                f"{PREFIX}_{name}_seconds", help_text, buckets=buckets, sum_value=histogram.sum
+                f"{PREFIX}_{name}_seconds",
+                help_text,
+                buckets=_buckets(histogram),
+                sum_value=histogram.sum,
             )
+
+        refusals = CounterMetricFamily(
+            f"{PREFIX}_refusals",
+            "Calls the proxy refused before any backend saw them (unknown model, admission "
+            "limits, not ready, no healthy backend, bad request), by reason and HTTP status.",
+            labels=["reason", "status"],
+        )
+        for (reason, status), n in sorted(s.refusals.items()):
+            refusals.add_metric([reason, status], n)
+        yield refusals
+
+        calls = CounterMetricFamily(
+            f"{PREFIX}_calls",
+            "Finished LLM calls, by model (as the client named it), backend and HTTP status; "
+            "backend 'none': the client left while the call waited.",
+            labels=["model", "backend", "status"],
+        )
+        for (model, url, status), n in sorted(s.calls.items()):
+            calls.add_metric([model, url, status], n)
+        yield calls
+
+        tokens = CounterMetricFamily(
+            f"{PREFIX}_tokens",
+            "Tokens the backends reported, by model, backend and kind (prompt, completion; "
+            "cached: the part of the prompt served from the prefix cache).",
+            labels=["model", "backend", "kind"],
+        )
+        for (model, url, kind), n in sorted(s.tokens.items()):
+            tokens.add_metric([model, url, kind], n)
+        yield tokens
+
+        call_seconds = HistogramMetricFamily(
+            f"{PREFIX}_call_seconds",
+            "Seconds from a call's arrival to its end, every call that reached a backend "
+            "(streamed or not, whatever its status), by model and backend.",
+            labels=["model", "backend"],
+        )
+        for (model, url), histogram in sorted(s.call_seconds.items()):
+            call_seconds.add_metric([model, url], _buckets(histogram), histogram.sum)
+        yield call_seconds
+
+        build = GaugeMetricFamily(
+            f"{PREFIX}_build_info",
+            "Always 1; the labels name the running version.",
+            labels=["version", "python"],
+        )
+        build.add_metric([__version__, platform.python_version()], 1.0)
+        yield build
+
+
+def _buckets(histogram: HistogramSnapshot) -> list[tuple[str, float]]:
+    return [
+        ("+Inf" if bound == float("inf") else repr(float(bound)), n)
+        for bound, n in histogram.cumulative()
+    ]
 
 
 def render(snapshot: ProxyStatistics) -> bytes:
     """The snapshot in Prometheus' text format 0.0.4 (serve it with ``CONTENT_TYPE``)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(snapshot))
+    # CPU seconds, resident memory, open files, start time: read from /proc at each scrape
+    # (nothing where there is no /proc).
+    ProcessCollector(registry=registry)
     return generate_latest(registry)
 
 
