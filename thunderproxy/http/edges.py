@@ -36,6 +36,7 @@ from ..programs.recognition import (
 )
 from ..protocols import Protocol, ProtocolWire
 from ..protocols.anthropic import prepare_count_tokens
+from ..protocols.base import MAX_NESTING, deeper_than
 from .body import read_body
 from .proxy import (
     RECORDED_KEY,
@@ -171,9 +172,13 @@ class Edges:
             return
         now = trio.current_time()
         if recognised.by_prompt:
-            self.recognizer.observe_answer(
-                recognised.program_id, wire.protocol, body, tap.answer(), now
-            )
+            answer = tap.answer()
+            # An answer nested past what the request side accepts is not learnt from: hashing
+            # it would recurse past Python's limit after the client had the whole stream.
+            if not deeper_than(answer, MAX_NESTING):
+                self.recognizer.observe_answer(
+                    recognised.program_id, wire.protocol, body, answer, now
+                )
         self.recognizer.remember_response(tap.response_id, recognised.program_id, now)
 
     def _learn_from_body(
@@ -183,6 +188,10 @@ class Edges:
             payload = json.loads(content)
         except (ValueError, RecursionError):
             return  # the gateway recorded why; nothing to learn
+        if content.count(b"[") + content.count(b"{") > MAX_NESTING and deeper_than(
+            payload, MAX_NESTING
+        ):
+            return  # relayed as it came; hashing it would recurse past Python's limit
         now = trio.current_time()
         if recognised.by_prompt:
             answer = protocols.answer_from_body(protocol, payload)

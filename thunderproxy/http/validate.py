@@ -15,9 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidRequest
+from ..protocols.base import MAX_NESTING
+from ..protocols.base import deeper_than as deeper_than
 
 #: Deepest nesting of arrays and objects accepted in a request body (a chat request needs ~6).
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH = MAX_NESTING
 #: Body fields that name something the proxy records or forwards as an identifier.
 IDENTIFIER_FIELDS = ("model", "user")
 
@@ -95,21 +97,6 @@ def load_json(raw: bytes | str) -> Any:
     ):
         _walk(value)
     return value
-
-
-def deeper_than(value: Any, limit: int) -> bool:
-    """Whether arrays and objects nest more than ``limit`` levels deep (the top level is 1)."""
-    level = [value] if isinstance(value, dict | list) else []
-    depth = 1
-    while level:
-        if depth > limit:
-            return True
-        children: list[Any] = []
-        for node in level:
-            children.extend(node.values() if isinstance(node, dict) else node)
-        level = [child for child in children if isinstance(child, dict | list)]
-        depth += 1
-    return False
 
 
 def check_identifier(value: str, field: str) -> str:
