@@ -282,3 +282,29 @@ async def test_members_call_tools_through_the_proxy_within_their_budget(tmp_path
         # Three stage-1 calls (two with tools, one forced answer) and one ranking; the
         # chairman's and title model's calls are on the first member's program.
         assert calls[0]["n"] == (6 if model == MODELS[0] else 4)
+
+
+async def test_an_event_number_out_of_range_is_refused_before_the_stream(tmp_path: Path) -> None:
+    """Before: ``Last-Event-ID: 99999999999999999999999`` opened a 200 stream that then failed
+    with SQLite's OverflowError; now a 400 naming the header, as for ``?after=``."""
+    async with (
+        council_proxy(tmp_path / "c.db") as (proxy, _sim),
+        httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+    ):
+        conversation = await new_conversation(client)
+        await ask_streaming(client, conversation, "Short")
+        replay = f"/council/api/conversations/{conversation}/job/stream"
+        for headers, params, param in [
+            ({"last-event-id": "99999999999999999999999"}, {}, "last-event-id"),
+            ({"last-event-id": "-1"}, {}, "last-event-id"),
+            ({}, {"after": str(2**63)}, "after"),
+            ({}, {"after": "\u00b2"}, "after"),
+        ]:
+            r = await client.get(replay, headers=headers, params=params)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == param
+            assert "integer from 0 to" in error["message"]
+        fine = await client.get(replay, headers={"last-event-id": str(2**63 - 1)})
+        assert fine.status_code == 200
+        assert await read_sse(fine) == []

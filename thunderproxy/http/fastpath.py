@@ -189,7 +189,13 @@ class FastRoutes:
         """The whole body (None if the client left first), bounded like Quart's."""
         limit = self.max_body_bytes
         for name, value in items:
-            if name.lower() == "content-length" and value.isdigit() and int(value) > limit:
+            # ASCII digits only: ``"²".isdigit()`` holds, and ``int("²")`` raises.
+            if (
+                name.lower() == "content-length"
+                and value.isascii()
+                and value.isdigit()
+                and int(value) > limit
+            ):
                 raise payload_too_large(limit)
         parts: list[bytes] = []
         size = 0
