@@ -80,7 +80,12 @@ async def open_council(settings: Settings) -> Council:
     """Open the council's store on the audit db and build its runner and routes."""
     config = council_config(settings)
     store = await JobStore.open(settings.db)
-    runner = CouncilRunner(store, config)
+    runner = CouncilRunner(
+        store,
+        config,
+        max_jobs=settings.council.max_jobs,
+        max_jobs_per_client=settings.council.max_jobs_per_client,
+    )
     blueprint = create_blueprint(
         runner, admin_token=settings.admin_token, keepalive_s=settings.council.keepalive
     )

@@ -4,6 +4,8 @@ ThunderproxyError
   RequestError
     ConversationUnknown     no conversation with that id (404)
     JobRunning              a council job already runs for the conversation (409)
+    TooManyJobs             the client, or all clients together, have as many jobs running
+                            as allowed (429)
   JobFailed                 the council could not answer at all (no member answered)
   MemberFailed              one member's call failed; the council leaves it out
   ToolFailed                a tool call could not be carried out; its text goes to the model
@@ -37,6 +39,10 @@ class JobRunning(RequestError):
         self.job_id = job_id
 
 
+class TooManyJobs(RequestError):
+    """A new job would pass ``--council-max-jobs`` or ``--council-max-jobs-per-client``."""
+
+
 class JobFailed(ThunderproxyError):
     """The council could not answer at all."""
 
@@ -52,6 +58,7 @@ class ToolFailed(ThunderproxyError):
 COUNCIL_ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
     ConversationUnknown: (404, "not_found_error"),
     JobRunning: (409, "conflict_error"),
+    TooManyJobs: (429, "rate_limit_error"),
     JobFailed: (502, "council_error"),
 }
 

@@ -156,7 +156,7 @@ def create_blueprint(
     async def message(conversation_id: str) -> tuple[Response, int]:
         await conversation_or_404(conversation_id)
         content = await question()
-        job_id = await runner.start(conversation_id, content)
+        job_id = await runner.start(conversation_id, content, client=request.remote_addr)
         await runner.wait(job_id)
         job = await store.get_job(job_id)
         assert job is not None
@@ -177,7 +177,7 @@ def create_blueprint(
     async def message_stream(conversation_id: str) -> Response:
         await conversation_or_404(conversation_id)
         content = await question()
-        job_id = await runner.start(conversation_id, content)
+        job_id = await runner.start(conversation_id, content, client=request.remote_addr)
         return stream(job_id, 0)
 
     @bp.get("/api/conversations/<conversation_id>/job/status")
