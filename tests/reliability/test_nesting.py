@@ -276,6 +276,26 @@ def test_deep_tool_arguments_in_an_answer_are_relayed(
     assert r.content == answer.body
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("protocol", list(PATHS))
+def test_a_fault_in_learning_from_an_answer_never_reaches_the_client(
+    live: Live, protocol: str, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever recognition fails on, after the client has the answer and its step is recorded,
+    the answer stays whole and its status the step's."""
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("recognition bug")
+
+    recognizer = live.proxy.services.recognizer
+    monkeypatch.setattr(recognizer, "observe_answer", broken)
+    monkeypatch.setattr(recognizer, "remember_response", broken)
+    answer = answer_with(protocol, '{"x": 1}', stream=stream)
+    r = exchange(live, protocol, answer, stream=stream)
+    assert r.status_code == 200
+    assert r.content == answer.body
+
+
 # --- the fuzz ----------------------------------------------------------------------------------
 
 protocols = st.sampled_from(list(PATHS))

@@ -15,8 +15,9 @@ Errors keep each protocol's shape: ``error_shape(path)`` tells the app's error h
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Iterable
-from contextlib import aclosing
+import logging
+from collections.abc import AsyncGenerator, Iterable, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,8 @@ from .proxy import (
 )
 from .validate import check_identifier, check_identifiers, header_text
 
+log = logging.getLogger("thunderproxy.http")
+
 #: Headers the proxy reads itself, or recomputes for the backend.
 _NOT_FORWARDED = frozenset({"x-program-id", "accept-encoding"})
 
@@ -74,6 +77,16 @@ def _upstream_headers(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]
     # The taps read the bytes as they pass: a compressed stream would hide its usage.
     headers.append(("accept-encoding", "identity"))
     return headers
+
+
+@contextmanager
+def _best_effort(what: str) -> Iterator[None]:
+    """Learning from an answer comes after the client has it and its step is recorded: a fault
+    there is logged, never turned into a 500 or a stream cut before its final chunk."""
+    try:
+        yield
+    except Exception:
+        log.exception("program recognition could not learn from %s; it was relayed as sent", what)
 
 
 @dataclass
@@ -152,7 +165,8 @@ class Edges:
             return Reply(200, answer_headers, self._stream(exchange, wire, recognised, body))
         content = await exchange.read()
         if exchange.status_code == 200:
-            self._learn_from_body(protocol, recognised, body, content)
+            with _best_effort("a whole answer"):
+                self._learn_from_body(protocol, recognised, body, content)
         return Reply(exchange.status_code, answer_headers, content)
 
     async def _stream(
@@ -166,6 +180,16 @@ class Edges:
         async with aclosing(exchange.stream()) as chunks:  # type: ignore[type-var]
             async for chunk in chunks:
                 yield chunk
+        with _best_effort("a streamed answer"):
+            self._learn_from_stream(exchange, wire, recognised, body)
+
+    def _learn_from_stream(
+        self,
+        exchange: Exchange,
+        wire: ProtocolWire,
+        recognised: Recognised,
+        body: dict[str, Any],
+    ) -> None:
         tap = wire.last_tap
         # Only a whole answer is learnt from: a cut one would make a head no next call extends.
         if tap is None or tap.error is not None or exchange.outcome != 200:
