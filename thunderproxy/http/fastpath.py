@@ -202,12 +202,13 @@ class FastRoutes:
         for name, value in items:
             if name.lower() == "content-length":
                 declared = value
-            # ASCII digits only: ``"²".isdigit()`` holds, and ``int("²")`` raises.
+            # ASCII digits only (``"²".isdigit()`` holds, and ``int("²")`` raises), compared by
+            # length first (``int`` refuses more than 4,300 digits).
             if (
                 name.lower() == "content-length"
                 and value.isascii()
                 and value.isdigit()
-                and int(value) > limit
+                and (len(value) > len(str(limit)) or int(value) > limit)
             ):
                 raise payload_too_large(limit)
         parts: list[bytes] = []
