@@ -240,6 +240,24 @@ def test_shallow_json_in_a_request_string_is_forwarded(live: Live, protocol: str
     assert r.headers["x-fuzz-echo"] == case
 
 
+@pytest.mark.parametrize("protocol", ["chat", "responses"])
+def test_deep_arguments_of_a_call_with_an_id_are_not_parsed(live: Live, protocol: str) -> None:
+    """With an id, recognition compares the id and never parses the arguments: forwarded."""
+    body = request_body(protocol, deep(5_000))
+    if protocol == "chat":
+        body["messages"][1]["tool_calls"][0]["id"] = "call_1"
+    else:
+        body["input"][1]["call_id"] = "call_1"
+    case = f"with-id-{next(live.cases)}"
+    live.backend.answers[case] = Answer(pieces=(b"{}",))
+    try:
+        r = live.client.post(PATHS[protocol], json=body, headers={"x-fuzz-case": case})
+    finally:
+        del live.backend.answers[case]
+    assert r.status_code == 200, r.text
+    assert r.headers["x-fuzz-echo"] == case
+
+
 # --- answers -----------------------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ from . import anthropic, openai_chat, responses
 from .anthropic import MessagesTap
 from .base import (
     MAX_EVENT_BYTES,
+    MAX_NESTING,
     MAX_TOKENS,
     Prepared,
     Protocol,
@@ -63,23 +64,33 @@ def prepare(protocol: Protocol, body: dict[str, Any]) -> Prepared:
     return responses.prepare_responses(body)
 
 
+def _has_id(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
 def _embedded_json(protocol: Protocol, body: dict[str, Any]) -> Iterator[tuple[str, str]]:
     """The strings of a request that program recognition parses as JSON, with where each is:
-    tool-call arguments (chat, Responses) and a Claude Code ``metadata.user_id`` (Messages)."""
+    the arguments of a tool call without an id (chat, Responses; with an id, the id is compared
+    and the arguments never parsed: ``tool_call_value``) and a Claude Code ``metadata.user_id``
+    (Messages)."""
     if protocol is Protocol.CHAT:
         messages = body.get("messages")
         for i, message in enumerate(messages if isinstance(messages, list) else ()):
             calls = message.get("tool_calls") if isinstance(message, dict) else None
             for j, call in enumerate(calls if isinstance(calls, list) else ()):
-                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(call, dict) or _has_id(call.get("id")):
+                    continue
+                function = call.get("function")
                 arguments = function.get("arguments") if isinstance(function, dict) else None
                 if isinstance(arguments, str):
                     yield f"messages[{i}].tool_calls[{j}].function.arguments", arguments
     elif protocol is Protocol.RESPONSES:
         items = body.get("input")
         for i, item in enumerate(items if isinstance(items, list) else ()):
-            arguments = item.get("arguments") if isinstance(item, dict) else None
-            if isinstance(arguments, str):
+            if not isinstance(item, dict) or item.get("type") != "function_call":
+                continue
+            arguments = item.get("arguments")
+            if isinstance(arguments, str) and not _has_id(item.get("call_id")):
                 yield f"input[{i}].arguments", arguments
     elif protocol is Protocol.MESSAGES:
         metadata = body.get("metadata")
@@ -92,6 +103,8 @@ def check_embedded_json(protocol: Protocol, body: dict[str, Any]) -> None:
     """Refuse JSON inside a request's strings nested past ``MAX_NESTING`` levels, as the body
     itself is: parsing it for recognition would recurse past what Python can (a 500 before)."""
     for where, text in _embedded_json(protocol, body):
+        if text.count("[") + text.count("{") <= MAX_NESTING:
+            continue  # too few brackets to nest that deep: not parsed here
         try:
             load_embedded(text)
         except TooDeep as exc:
