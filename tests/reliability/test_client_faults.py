@@ -154,7 +154,14 @@ async def test_a_slow_body_gets_408(tmp_path: Path) -> None:
 @pytest.mark.parametrize("front", ["fast", "hypercorn"])
 @pytest.mark.parametrize(
     ("path", "declared"),
-    [("/v1/chat/completions", True), ("/v1/messages", True), ("/v1/responses", False)],
+    [
+        ("/v1/chat/completions", True),
+        ("/v1/messages", True),
+        ("/v1/responses", False),
+        # Served by Quart: a passthrough path and the proxy's own endpoint.
+        ("/v1/embeddings", True),
+        ("/programs/release", False),
+    ],
 )
 async def test_a_client_leaving_mid_body_leaves_a_rejection_row(
     tmp_path: Path, front: str, path: str, declared: bool
