@@ -169,6 +169,9 @@ async def test_web_search_uses_the_configured_endpoint_and_is_off_without_one(
         assert refused == "Error: There is no tool named 'web_search'."
         bad = await off.execute(ToolCall("c3", "fetch_url", "{not json"))
         assert bad == "Error: fetch_url: arguments are not valid JSON."
+        # Before: RecursionError out of a tool call that "never raises".
+        deep = await off.execute(ToolCall("c4", "fetch_url", "[" * 5_000 + "]" * 5_000))
+        assert deep == "Error: fetch_url: arguments nest too deep; send a flat JSON object."
 
 
 async def test_the_tool_loop_runs_calls_in_parallel_and_forces_an_answer_after_the_budget(

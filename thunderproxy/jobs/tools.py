@@ -319,6 +319,8 @@ class Toolbox:
             return f"Error: {exc.message}"
         except ValueError:
             return f"Error: {call.name}: arguments are not valid JSON."
+        except RecursionError:  # a model's arguments nested past what Python's parser can
+            return f"Error: {call.name}: arguments nest too deep; send a flat JSON object."
         except trio.TooSlowError:
             return f"Error: {call.name} took longer than {self.settings.timeout_s:g} s."
 
