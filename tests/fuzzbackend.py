@@ -68,7 +68,10 @@ class FuzzBackend(LoopbackBackend):
 def create_fuzz_app(state: FuzzBackend) -> QuartTrio:
     app = create_backend_app("fuzzbackend")
 
+    # The same answers on every protocol's route: the proxy's taps read each its own way.
     @app.post("/v1/chat/completions")
+    @app.post("/v1/messages")
+    @app.post("/v1/responses")
     async def chat() -> Response:
         await request.get_data(False, False, False)
         state.requests += 1

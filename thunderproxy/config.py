@@ -318,8 +318,24 @@ class CouncilSettings:
     )
     tools_allow_private: bool = setting(
         False,
-        "Let fetch_url read private, loopback and link-local addresses (off: refused).",
+        "Let fetch_url read addresses that are not globally routable (private, loopback, "
+        "link-local, carrier-grade NAT; off: refused).",
         flag="--council-tools-allow-private",
+    )
+    max_jobs: int = setting(
+        16,
+        "Council jobs that may run at once, from all clients together; a new one past it is "
+        "refused with 429 (each job makes several LLM calls per member and outlives its "
+        "request).",
+        flag="--council-max-jobs",
+        check=lambda v: None if v >= 1 else "must be >= 1",
+    )
+    max_jobs_per_client: int = setting(
+        4,
+        "Council jobs one client address may have running at once; a new one past it is "
+        "refused with 429.",
+        flag="--council-max-jobs-per-client",
+        check=lambda v: None if v >= 1 else "must be >= 1",
     )
     search_url: str = setting(
         "",

@@ -13,6 +13,8 @@ its HTTP status and OpenAI error type; http/errors.py renders them.
         ModelNotFound               no backend serves the requested model (404, vLLM's shape)
         MethodNotAllowed            the route exists, the method does not (405)
         RequestTimeout              the body did not arrive within --client-timeout (408)
+        BodyIncomplete              the client left before its body was whole (499, recorded
+                                    only: nobody is left to answer)
         PayloadTooLarge             body over the configured limit (413)
         HeadersTooLarge             request head over the configured limit (431)
       SchedulingError
@@ -110,6 +112,10 @@ class RequestTimeout(RequestError):
     pass
 
 
+class BodyIncomplete(RequestError):
+    pass
+
+
 class PayloadTooLarge(RequestError):
     pass
 
@@ -199,6 +205,8 @@ ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
     MethodNotAllowed: (405, "invalid_request_error"),
     RequestTimeout: (408, "timeout_error"),
     ProgramReleased: (409, "conflict_error"),
+    # nginx's status for a client that closed the connection before it could be answered.
+    BodyIncomplete: (499, "client_closed_request"),
     PayloadTooLarge: (413, "invalid_request_error"),
     QueueFull: (429, "rate_limit_error"),
     RateLimited: (429, "rate_limit_error"),

@@ -11,9 +11,16 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from quart import Response
 
 from tests.conftest import running_proxy
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from tests.fakebackend import (
+    FakeBackend,
+    LoopbackBackend,
+    create_backend_app,
+    serve_backend,
+    serve_fake_backend,
+)
 from thunderproxy.runtime import RunningProxy
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}]}
@@ -122,3 +129,45 @@ async def test_any_program_id_gives_a_valid_request_id_header(
     assert r.status_code == 200
     assert backend.headers[-1]["X-Request-Id"].isascii()
     assert program_id in (await client.get("/programs")).json()
+
+
+async def test_a_plain_passthrough_answer_is_relayed_as_it_arrives(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Before: a plain (not streamed) answer was read whole before the client saw a byte, so
+    each one cost its size in memory (10 answers of 60 MB: 93 -> 685 MB resident). Here the
+    backend sends half, then waits until the client has had it."""
+    half = b'"' + b"x" * 999_998 + b'"'  # a JSON string: a plain answer, not a stream
+    client_has_half = trio.Event()
+    app = create_backend_app("plainbackend")
+
+    @app.get("/blob")
+    async def blob() -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            yield b"["
+            yield half
+            with trio.fail_after(10):
+                await client_has_half.wait()
+            yield b"," + half + b"]"
+
+        response = Response(body(), content_type="application/json")
+        response.headers["content-length"] = str(2 * len(half) + 3)
+        return response
+
+    state = LoopbackBackend()
+    await nursery.start(serve_backend, app, state)
+    async with (
+        running_proxy(tmp_path / "audit.db", backends=state.url, passthrough="/blob") as proxy,
+        httpx.AsyncClient(base_url=proxy.url, timeout=10) as client,
+    ):
+        with trio.fail_after(10):
+            async with client.stream("GET", "/blob") as r:
+                assert r.status_code == 200
+                assert r.headers["content-length"] == str(2 * len(half) + 3)
+                assert "transfer-encoding" not in r.headers
+                received = b""
+                async for chunk in r.aiter_raw():
+                    received += chunk
+                    if len(received) > len(half):
+                        client_has_half.set()
+        assert received == b"[" + half + b"," + half + b"]"

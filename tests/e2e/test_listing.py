@@ -112,6 +112,11 @@ def test_a_page_looks_at_limit_programs_not_at_all_of_them() -> None:
         ({"limit": "ten"}, "limit"),
         ({"after": "p3"}, "after"),
         ({"state": "sleeping"}, "state"),
+        # Before: ValueError out of int() past isdigit(), a 500.
+        ({"after": "\u00b2"}, "after"),
+        ({"after": "9" * 5000}, "after"),
+        ({"after": str(2**63)}, "after"),
+        ({"limit": "\u0663"}, "limit"),
     ],
 )
 def test_bad_parameters_are_refused_naming_them(args: dict[str, str], param: str) -> None:

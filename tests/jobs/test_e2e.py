@@ -3,6 +3,7 @@ names: every member's calls are scheduled programs, every event lands in SQLite.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -282,3 +283,60 @@ async def test_members_call_tools_through_the_proxy_within_their_budget(tmp_path
         # Three stage-1 calls (two with tools, one forced answer) and one ranking; the
         # chairman's and title model's calls are on the first member's program.
         assert calls[0]["n"] == (6 if model == MODELS[0] else 4)
+
+
+async def test_an_event_number_out_of_range_is_refused_before_the_stream(tmp_path: Path) -> None:
+    """Before: ``Last-Event-ID: 99999999999999999999999`` opened a 200 stream that then failed
+    with SQLite's OverflowError; now a 400 naming the header, as for ``?after=``."""
+    async with (
+        council_proxy(tmp_path / "c.db") as (proxy, _sim),
+        httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+    ):
+        conversation = await new_conversation(client)
+        await ask_streaming(client, conversation, "Short")
+        replay = f"/council/api/conversations/{conversation}/job/stream"
+        for headers, params, param in [
+            ({"last-event-id": "99999999999999999999999"}, {}, "last-event-id"),
+            ({"last-event-id": "-1"}, {}, "last-event-id"),
+            ({}, {"after": str(2**63)}, "after"),
+            ({}, {"after": "\u00b2"}, "after"),
+        ]:
+            r = await client.get(replay, headers=headers, params=params)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == param
+            assert "integer from 0 to" in error["message"]
+        fine = await client.get(replay, headers={"last-event-id": str(2**63 - 1)})
+        assert fine.status_code == 200
+        assert await read_sse(fine) == []
+
+
+async def test_a_client_that_starts_many_jobs_and_leaves_gets_429_past_its_cap(
+    tmp_path: Path,
+) -> None:
+    """Before: 30 jobs from a client that disconnected at once all ran to the end (120 calls).
+    Now the client's first --council-max-jobs-per-client jobs run and the rest are refused in
+    the council API's error shape."""
+    db = tmp_path / "c.db"
+    slow = sim_config(time_scale=1.0, output_len_dist="fixed:4000")
+    async with (
+        council_proxy(db, sim=slow, council_max_jobs_per_client=3) as (proxy, _sim),
+        httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+    ):
+        statuses = []
+        refusals = []
+        for _ in range(30):
+            conversation = await new_conversation(client)
+            url = f"/council/api/conversations/{conversation}/message/stream"
+            async with client.stream("POST", url, json={"content": "Long one"}) as r:
+                statuses.append(r.status_code)
+                if r.status_code != 200:
+                    refusals.append(json.loads(await r.aread()))
+            # The client leaves at once.
+        assert statuses == [200] * 3 + [429] * 27
+        error = refusals[0]["error"]
+        assert error["type"] == "rate_limit_error"
+        assert error["code"] == 429
+        assert "--council-max-jobs-per-client" in error["message"]
+        jobs = query(db, "SELECT count(*) AS n FROM council_jobs")[0]["n"]
+        assert jobs == 3

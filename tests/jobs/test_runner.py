@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from tests.jobs.fakes import ScriptedClient
-from thunderproxy.jobs.errors import JobRunning, MemberFailed
+from thunderproxy.jobs.errors import JobRunning, MemberFailed, TooManyJobs
 from thunderproxy.jobs.llm import ChatRequest, StreamAssembler, TextDelta, ToolCall
 from thunderproxy.jobs.pipeline import CouncilConfig
 from thunderproxy.jobs.runner import CouncilRunner
@@ -88,6 +88,33 @@ async def test_one_job_per_conversation_even_when_two_start_at_once(
         both.start_soon(start)
     assert outcomes.count("409") == 1
     assert runner.running_job(conversation) == next(o for o in outcomes if o != "409")
+
+
+async def test_running_jobs_are_capped_per_client_and_in_total(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Before: no cap, every job a client started ran to the end."""
+    client = ScriptedClient(lambda m, msgs, t: None)  # members that never answer
+    store = await JobStore.open(str(tmp_path / "jobs.db"))
+    runner = CouncilRunner(store, CONFIG, max_jobs=3, max_jobs_per_client=2)
+    await nursery.start(runner.serve, client)
+
+    async def ask(address: str | None) -> str:
+        conversation = (await store.create_conversation())["id"]
+        return await runner.start(conversation, "q", client=address)
+
+    await ask("10.0.0.1")
+    await ask("10.0.0.1")
+    with pytest.raises(TooManyJobs, match="--council-max-jobs-per-client"):
+        await ask("10.0.0.1")
+    await ask("10.0.0.2")
+    with pytest.raises(TooManyJobs, match="--council-max-jobs allows"):
+        await ask("10.0.0.3")
+    with pytest.raises(TooManyJobs, match="--council-max-jobs allows"):
+        await ask(None)
+    assert len(runner.live) == 3
+    # A refused start leaves nothing behind: no reservation, no job row.
+    assert len(await store.list_conversations()) == 6
 
 
 async def test_a_quiet_stream_gets_keepalives(nursery: trio.Nursery, tmp_path: Path) -> None:

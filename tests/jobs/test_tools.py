@@ -105,6 +105,24 @@ def test_html_becomes_readable_text_without_scripts_or_styles() -> None:
         ("0.0.0.0", True),
         ("93.184.215.14", False),
         ("2606:4700::1111", False),
+        # Before, each of these was fetched: not globally routable, or carrying an address
+        # that is not (6to4, NAT64, IPv4-compatible, Teredo).
+        ("100.64.0.1", True),  # carrier-grade NAT, where some clouds put metadata services
+        ("100.100.100.200", True),
+        ("198.18.0.1", True),  # benchmarking
+        ("2002:7f00:1::1", True),  # 6to4 of 127.0.0.1
+        ("2002:a9fe:a9fe::1", True),  # 6to4 of 169.254.169.254
+        ("64:ff9b::7f00:1", True),  # NAT64 of 127.0.0.1
+        ("64:ff9b::a9fe:a9fe", True),  # NAT64 of 169.254.169.254
+        ("64:ff9b:1::1", True),  # NAT64 for local use
+        ("::127.0.0.1", True),  # IPv4-compatible
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", True),  # Teredo
+        ("::ffff:100.64.0.1", True),
+        ("ff0e::1", True),  # global-scope multicast
+        ("224.0.1.1", True),
+        ("2002:808:808::1", False),  # 6to4 of 8.8.8.8
+        ("64:ff9b::808:808", False),  # NAT64 of 8.8.8.8
+        ("::ffff:8.8.8.8", False),
     ],
 )
 def test_private_and_local_addresses_are_refused(address: str, refused: bool) -> None:
@@ -151,6 +169,9 @@ async def test_web_search_uses_the_configured_endpoint_and_is_off_without_one(
         assert refused == "Error: There is no tool named 'web_search'."
         bad = await off.execute(ToolCall("c3", "fetch_url", "{not json"))
         assert bad == "Error: fetch_url: arguments are not valid JSON."
+        # Before: RecursionError out of a tool call that "never raises".
+        deep = await off.execute(ToolCall("c4", "fetch_url", "[" * 5_000 + "]" * 5_000))
+        assert deep == "Error: fetch_url: arguments nest too deep; send a flat JSON object."
 
 
 async def test_the_tool_loop_runs_calls_in_parallel_and_forces_an_answer_after_the_budget(
@@ -218,3 +239,57 @@ async def test_the_tool_loop_stops_at_five_rounds_by_default(autojump_clock: Any
         )  # fmt: skip
     assert answer == "done "
     assert [c["tools"] is not None for c in client.calls] == [True] * 5 + [False]
+
+
+async def test_fetch_url_connects_to_the_address_it_checked(
+    site: tuple[LocalSite, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host that resolves to an allowed address when checked and to a refused one when the
+    client connects (DNS rebinding) is read from the address checked. Here 127.0.0.1 stands in
+    for a public address and 10.255.255.1 for the private one it must not reach."""
+    app, url = site
+    port = int(url.rsplit(":", 1)[1])
+    answers = iter(["127.0.0.1"] + ["10.255.255.1"] * 10)
+
+    class Rebinding(trio.abc.HostnameResolver):
+        async def getaddrinfo(self, host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+            assert host in (b"rebind.test", "rebind.test")
+            return [(trio.socket.AF_INET, trio.socket.SOCK_STREAM, 6, "", (next(answers), port))]
+
+        async def getnameinfo(self, sockaddr: Any, flags: int) -> Any:
+            raise NotImplementedError
+
+    monkeypatch.setattr(tools, "address_refused", lambda address: address != "127.0.0.1")
+    trio.socket.set_custom_hostname_resolver(Rebinding())
+    try:
+        with trio.fail_after(10):
+            async with httpx.AsyncClient() as client:
+                text = await tools.fetch_url(
+                    client, f"http://rebind.test:{port}/page", ToolSettings(timeout_s=5)
+                )
+    finally:
+        trio.socket.set_custom_hostname_resolver(None)
+    assert text.startswith("The Page")
+    assert app.hits == ["/page"]
+
+
+async def test_fetch_url_checks_the_resolved_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name is judged by what it resolves to, not by how it looks."""
+
+    class CarrierNat(trio.abc.HostnameResolver):
+        async def getaddrinfo(self, host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+            return [
+                (trio.socket.AF_INET, trio.socket.SOCK_STREAM, 6, "", ("93.184.215.14", port)),
+                (trio.socket.AF_INET, trio.socket.SOCK_STREAM, 6, "", ("100.64.0.1", port)),
+            ]
+
+        async def getnameinfo(self, sockaddr: Any, flags: int) -> Any:
+            raise NotImplementedError
+
+    trio.socket.set_custom_hostname_resolver(CarrierNat())
+    try:
+        async with httpx.AsyncClient() as client:
+            with pytest.raises(tools.ToolFailed, match=r"private or local address \(100.64.0.1\)"):
+                await tools.fetch_url(client, "http://metadata.test/", ToolSettings())
+    finally:
+        trio.socket.set_custom_hostname_resolver(None)

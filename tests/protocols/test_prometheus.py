@@ -182,6 +182,9 @@ BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
         pytest.param("application/json", "/metrics", False, id="json"),
         pytest.param("application/json, text/plain;q=0.5", "/metrics", False, id="json-preferred"),
         pytest.param("text/plain;q=0", "/metrics", False, id="refused"),
+        # Weights outside HTTP's 0..1 (NaN, infinity) count as 0.
+        pytest.param("text/plain;q=1e999", "/metrics", False, id="infinite-weight"),
+        pytest.param("application/json;q=nan, text/plain", "/metrics", True, id="nan-weight"),
         pytest.param(None, PROMETHEUS_PATH, True, id="documented-path"),
         pytest.param("application/json", PROMETHEUS_PATH + "/", True, id="path-beats-accept"),
         pytest.param(PROMETHEUS_3, "/health", False, id="other-path"),

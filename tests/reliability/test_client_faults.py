@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from tests.conftest import query, running_proxy, wait_for
@@ -147,4 +148,46 @@ async def test_a_slow_body_gets_408(tmp_path: Path) -> None:
             with trio.fail_after(5):
                 answer = await stream.receive_some()
         assert answer.startswith(b"HTTP/1.1 408")
+        assert sim.engine.scheduler.stats.prompt_tokens == 0
+
+
+@pytest.mark.parametrize("front", ["fast", "hypercorn"])
+@pytest.mark.parametrize(
+    ("path", "declared"),
+    [
+        ("/v1/chat/completions", True),
+        ("/v1/messages", True),
+        ("/v1/responses", False),
+        # Served by Quart: a passthrough path and the proxy's own endpoint.
+        ("/v1/embeddings", True),
+        ("/programs/release", False),
+    ],
+)
+async def test_a_client_leaving_mid_body_leaves_a_rejection_row(
+    tmp_path: Path, front: str, path: str, declared: bool
+) -> None:
+    """Before: no row at all. The body is half sent (with a Content-Length it never reaches,
+    or chunked and never ended), then the connection closes."""
+    db = tmp_path / "a.db"
+    async with (
+        open_simulator(TIGHT) as sim,
+        running_proxy(db, backends=sim.url, http_front=front) as proxy,
+    ):
+        stream = await _open(proxy.url)
+        async with stream:
+            framing = b"Content-Length: 1000" if declared else b"Transfer-Encoding: chunked"
+            half = b'{"model": "m", "messages": [' if declared else b'10\r\n{"model": "m", "me'
+            await stream.send_all(
+                b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n" + framing + b"\r\n\r\n" + half
+            )
+        await wait_for(lambda: query(db, "SELECT * FROM rejections"), timeout=10)
+        [row] = query(db, "SELECT * FROM rejections")
+        assert row["path"] == path
+        assert row["status"] == 499
+        assert row["error_type"] == "client_closed_request"
+        assert "closed the connection" in row["message"]
+        if declared:
+            assert "of the 1000 its Content-Length declared" in row["message"]
+        assert query(db, "SELECT * FROM steps") == []
         assert sim.engine.scheduler.stats.prompt_tokens == 0

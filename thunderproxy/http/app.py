@@ -9,7 +9,7 @@ from typing import Any
 
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
-from quart import Response, has_request_context, jsonify, request, websocket
+from quart import Request, Response, has_request_context, jsonify, request, websocket
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
@@ -47,6 +47,8 @@ from .edges import Edges, error_shape
 from .errors import error_response
 from .fastpath import (
     FastRoutes,
+    Reject,
+    body_incomplete,
     body_too_slow,
     headers_too_large,
     payload_too_large,
@@ -118,10 +120,16 @@ class ProxyHTTPConnection(TrioASGIHTTPConnection):
     """Runs the exchange's cleanups however it ends. Quart closes a streamed body only once it
     has started sending it; a client that leaves earlier would otherwise leave a step open."""
 
+    #: Whether the answer has started: a request answered before its body was read (a refusal)
+    #: has its row already.
+    answered = False
+
     async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         drain: Drain = self.app.drain  # type: ignore[attr-defined]
 
         async def send_end_shielded(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.answered = True
             # Sending the last body makes Hypercorn recycle the connection: it reports the
             # disconnect, on which quart-trio cancels this exchange, then starts the watcher
             # that closes the idle connection on shutdown. Started in a cancelled scope, that
@@ -138,6 +146,38 @@ class ProxyHTTPConnection(TrioASGIHTTPConnection):
         finally:
             await run_cleanups(self.scope)  # type: ignore[arg-type]
 
+    async def handle_messages(  # type: ignore[override]
+        self, nursery: trio.Nursery, request: Request, receive: ASGIReceiveCallable
+    ) -> None:
+        # A client that leaves before its body is whole cancels the exchange before any route
+        # or error handler runs: the row that says so is written here (the fast path's routes
+        # write their own, http/fastpath.py).
+        received = 0
+        whole = False
+
+        async def counting() -> Any:
+            nonlocal received, whole
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                whole = not message.get("more_body", False)
+            return message
+
+        await super().handle_messages(nursery, request, counting)
+        reject: Reject | None = self.app.record_rejection  # type: ignore[attr-defined]
+        if not whole and not self.answered and reject is not None:
+            error = body_incomplete(received, request.headers.get("content-length"))
+            status, error_type = describe(error)
+            reject(
+                status,
+                error_type,
+                error.message,
+                None,
+                request.method,
+                request.path,
+                reason(error),
+            )
+
 
 class ThunderproxyApp(QuartTrio):
     asgi_http_class = ProxyHTTPConnection
@@ -145,6 +185,8 @@ class ThunderproxyApp(QuartTrio):
     drain: Drain
     #: The LLM routes as raw ASGI (http/fastpath.py); None sends everything to Quart.
     fast: FastRoutes | None = None
+    #: Writes a ``rejections`` row; set by create_app.
+    record_rejection: Reject | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         fast = self.fast
@@ -245,6 +287,7 @@ def create_app(services: Services) -> ThunderproxyApp:
             reason(error),
         )
 
+    app.record_rejection = record_rejection
     app.fast = FastRoutes(
         edges=edges,
         drain=drain,

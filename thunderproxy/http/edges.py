@@ -15,8 +15,9 @@ Errors keep each protocol's shape: ``error_shape(path)`` tells the app's error h
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Iterable
-from contextlib import aclosing
+import logging
+from collections.abc import AsyncGenerator, Iterable, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from ..programs.recognition import (
 )
 from ..protocols import Protocol, ProtocolWire
 from ..protocols.anthropic import prepare_count_tokens
+from ..protocols.base import MAX_NESTING, deeper_than
 from .body import read_body
 from .proxy import (
     RECORDED_KEY,
@@ -48,6 +50,8 @@ from .proxy import (
     response_headers,
 )
 from .validate import check_identifier, check_identifiers, header_text
+
+log = logging.getLogger("thunderproxy.http")
 
 #: Headers the proxy reads itself, or recomputes for the backend.
 _NOT_FORWARDED = frozenset({"x-program-id", "accept-encoding"})
@@ -73,6 +77,16 @@ def _upstream_headers(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]
     # The taps read the bytes as they pass: a compressed stream would hide its usage.
     headers.append(("accept-encoding", "identity"))
     return headers
+
+
+@contextmanager
+def _best_effort(what: str) -> Iterator[None]:
+    """Learning from an answer comes after the client has it and its step is recorded: a fault
+    there is logged, never turned into a 500 or a stream cut before its final chunk."""
+    try:
+        yield
+    except Exception:
+        log.exception("program recognition could not learn from %s; it was relayed as sent", what)
 
 
 @dataclass
@@ -152,7 +166,8 @@ class Edges:
             return Reply(200, answer_headers, self._stream(exchange, wire, recognised, body))
         content = await exchange.read()
         if exchange.status_code == 200:
-            self._learn_from_body(protocol, recognised, body, content)
+            with _best_effort("a whole answer"):
+                self._learn_from_body(protocol, recognised, body, content)
         return Reply(exchange.status_code, answer_headers, content)
 
     async def _stream(
@@ -166,15 +181,29 @@ class Edges:
         async with aclosing(exchange.stream()) as chunks:  # type: ignore[type-var]
             async for chunk in chunks:
                 yield chunk
+        with _best_effort("a streamed answer"):
+            self._learn_from_stream(exchange, wire, recognised, body)
+
+    def _learn_from_stream(
+        self,
+        exchange: Exchange,
+        wire: ProtocolWire,
+        recognised: Recognised,
+        body: dict[str, Any],
+    ) -> None:
         tap = wire.last_tap
         # Only a whole answer is learnt from: a cut one would make a head no next call extends.
         if tap is None or tap.error is not None or exchange.outcome != 200:
             return
         now = trio.current_time()
         if recognised.by_prompt:
-            self.recognizer.observe_answer(
-                recognised.program_id, wire.protocol, body, tap.answer(), now
-            )
+            answer = tap.answer()
+            # An answer nested past what the request side accepts is not learnt from: hashing
+            # it would recurse past Python's limit after the client had the whole stream.
+            if not deeper_than(answer, MAX_NESTING):
+                self.recognizer.observe_answer(
+                    recognised.program_id, wire.protocol, body, answer, now
+                )
         self.recognizer.remember_response(tap.response_id, recognised.program_id, now)
 
     def _learn_from_body(
@@ -184,6 +213,10 @@ class Edges:
             payload = json.loads(content)
         except (ValueError, RecursionError):
             return  # the gateway recorded why; nothing to learn
+        if content.count(b"[") + content.count(b"{") > MAX_NESTING and deeper_than(
+            payload, MAX_NESTING
+        ):
+            return  # relayed as it came; hashing it would recurse past Python's limit
         now = trio.current_time()
         if recognised.by_prompt:
             answer = protocols.answer_from_body(protocol, payload)

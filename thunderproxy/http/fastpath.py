@@ -35,6 +35,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 from werkzeug.exceptions import InternalServerError
 
 from ..errors import (
+    BodyIncomplete,
     HeadersTooLarge,
     PayloadTooLarge,
     RequestTimeout,
@@ -74,6 +75,14 @@ Reject = Callable[[int, str, str, "str | None", str, str, str], None]
 
 def payload_too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"Request body is larger than {limit} bytes (see --max-body-bytes).")
+
+
+def body_incomplete(received: int, declared: str | None) -> BodyIncomplete:
+    of = f" of the {declared} its Content-Length declared" if declared is not None else ""
+    return BodyIncomplete(
+        f"The client closed the connection after sending {received} body bytes{of}, before "
+        "its body was whole; nothing was sent to a backend."
+    )
 
 
 def body_too_slow(timeout: float) -> RequestTimeout:
@@ -161,9 +170,12 @@ class FastRoutes:
             if size > self.max_header_bytes:
                 raise headers_too_large(size, self.max_header_bytes)
             raw = await self._read_body(receive, items)
-            if raw is None:
-                return  # the client left before its body was whole: nothing was started
             self.readiness.check()
+        except BodyIncomplete as error:
+            # Nothing was started and nobody is left to answer, but the request was made:
+            # its row says how far it got.
+            self._record(scope, error)
+            return
         except ThunderproxyError as error:
             await self._refuse(scope, send, error, protocol)
             return
@@ -185,13 +197,21 @@ class FastRoutes:
                 await self._send_reply(send, reply, writer)
             nursery.cancel_scope.cancel()
 
-    async def _read_body(
-        self, receive: ASGIReceiveCallable, items: list[tuple[str, str]]
-    ) -> bytes | None:
-        """The whole body (None if the client left first), bounded like Quart's."""
+    async def _read_body(self, receive: ASGIReceiveCallable, items: list[tuple[str, str]]) -> bytes:
+        """The whole body, bounded like Quart's; BodyIncomplete if the client left first."""
         limit = self.max_body_bytes
+        declared: str | None = None
         for name, value in items:
-            if name.lower() == "content-length" and value.isdigit() and int(value) > limit:
+            if name.lower() == "content-length":
+                declared = value
+            # ASCII digits only (``"²".isdigit()`` holds, and ``int("²")`` raises), compared by
+            # length first (``int`` refuses more than 4,300 digits).
+            if (
+                name.lower() == "content-length"
+                and value.isascii()
+                and value.isdigit()
+                and (len(value) > len(str(limit)) or int(value) > limit)
+            ):
                 raise payload_too_large(limit)
         parts: list[bytes] = []
         size = 0
@@ -199,7 +219,7 @@ class FastRoutes:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    return None
+                    raise body_incomplete(size, declared)
                 part: bytes = message.get("body", b"")  # type: ignore[assignment]
                 size += len(part)
                 if size > limit:
@@ -211,6 +231,20 @@ class FastRoutes:
             raise body_too_slow(self.client_timeout)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def _record(self, scope: dict[str, Any], error: ThunderproxyError) -> None:
+        """A ``rejections`` row for a request refused before the gateway had it."""
+        if not scope.get(RECORDED_KEY):  # the gateway recorded the calls it was given
+            status, error_type = describe(error)
+            self.reject(
+                status,
+                error_type,
+                error.message,
+                error.program_id,
+                "POST",
+                scope["path"],
+                reason(error),
+            )
+
     async def _refuse(
         self,
         scope: dict[str, Any],
@@ -219,16 +253,7 @@ class FastRoutes:
         protocol: Protocol,
     ) -> None:
         status, headers, content = error_parts(error, protocol)
-        if not scope.get(RECORDED_KEY):  # the gateway recorded the calls it was given
-            self.reject(
-                status,
-                describe(error)[1],
-                error.message,
-                error.program_id,
-                "POST",
-                scope["path"],
-                reason(error),
-            )
+        self._record(scope, error)
         await self._send_reply(send, Reply(status, list(headers.items()), content))
 
     async def _send_reply(

@@ -20,6 +20,7 @@ from urllib.parse import urlencode
 from ..errors import InvalidRequest
 from ..programs import Program, ProgramStatus
 from ..programs.registry import ProgramRegistry
+from .validate import parse_integer
 
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 10_000
@@ -62,23 +63,11 @@ def parse_query(args: Mapping[str, str]) -> ProgramQuery:
     """The query string of ``GET /programs``; an invalid value is a 400 naming the parameter."""
     limit = DEFAULT_LIMIT
     if "limit" in args:
-        try:
-            limit = int(args["limit"])
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= MAX_LIMIT:
-            raise InvalidRequest(
-                f"limit must be an integer from 1 to {MAX_LIMIT}, got {args['limit']!r}.",
-                param="limit",
-            )
+        limit = parse_integer(args["limit"], "limit", low=1, high=MAX_LIMIT)
     after = None
     if args.get("after"):
-        raw = args["after"]
-        if not raw.isdigit():
-            raise InvalidRequest(
-                f"after must be a cursor from X-Next-Cursor (digits), got {raw!r}.", param="after"
-            )
-        after = int(raw)
+        # A cursor is a sequence number the proxy handed out (X-Next-Cursor).
+        after = parse_integer(args["after"], "after")
     state = args.get("state") or None
     if state is not None and state not in STATES:
         raise InvalidRequest(

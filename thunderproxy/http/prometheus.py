@@ -217,6 +217,8 @@ def _media_ranges(accept: str) -> Iterator[tuple[str, float]]:
                     q = float(value)
                 except ValueError:
                     q = 0.0
+                if not 0.0 <= q <= 1.0:  # NaN, infinity and weights outside HTTP's range
+                    q = 0.0
         if media:
             yield media.lower(), q
 

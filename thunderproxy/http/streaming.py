@@ -1,4 +1,5 @@
-"""Whether an upstream response is a stream to relay chunk by chunk, by the seed's rules."""
+"""Whether an upstream response is a stream, by the seed's rules. Passthrough relays every answer
+chunk by chunk; a plain one also keeps the backend's Content-Length."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ def is_streaming(headers: Headers) -> bool:
     """True for SSE, NDJSON, chunked transfer encoding, or any content type naming "stream".
 
     Header names are matched case-insensitively, and the content type without its parameters
-    (``text/event-stream; charset=utf-8`` is SSE). Passthrough must not buffer such a body: a
-    client may be reading it as it is produced.
+    (``text/event-stream; charset=utf-8`` is SSE). A client may be reading such a body as it is
+    produced.
     """
     content_type = ""
     chunked = False

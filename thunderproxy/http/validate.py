@@ -15,9 +15,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidRequest
+from ..protocols.base import MAX_NESTING
+from ..protocols.base import deeper_than as deeper_than
 
 #: Deepest nesting of arrays and objects accepted in a request body (a chat request needs ~6).
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH = MAX_NESTING
+#: The largest integer SQLite stores: an event number or cursor past it names nothing there.
+MAX_INDEX = 2**63 - 1
 #: Body fields that name something the proxy records or forwards as an identifier.
 IDENTIFIER_FIELDS = ("model", "user")
 
@@ -97,21 +101,6 @@ def load_json(raw: bytes | str) -> Any:
     return value
 
 
-def deeper_than(value: Any, limit: int) -> bool:
-    """Whether arrays and objects nest more than ``limit`` levels deep (the top level is 1)."""
-    level = [value] if isinstance(value, dict | list) else []
-    depth = 1
-    while level:
-        if depth > limit:
-            return True
-        children: list[Any] = []
-        for node in level:
-            children.extend(node.values() if isinstance(node, dict) else node)
-        level = [child for child in children if isinstance(child, dict | list)]
-        depth += 1
-    return False
-
-
 def check_identifier(value: str, field: str) -> str:
     """``value`` if it is Unicode text; InvalidRequest naming ``field`` if it holds an unpaired
     surrogate (every surrogate in a Python str from JSON is unpaired: pairs are joined)."""
@@ -147,3 +136,22 @@ def check_identifiers(body: Mapping[str, Any]) -> None:
         value = body.get(field)
         if isinstance(value, str):
             check_identifier(value, field)
+
+
+def parse_integer(raw: str, name: str, *, low: int = 0, high: int = MAX_INDEX) -> int:
+    """A non-negative number a client sent as text (a query parameter, a header), checked before
+    anything uses it: ASCII digits only (``int`` also takes ``"٣"`` and ``"1_000"``; ``isdigit``
+    also passes ``"²"``, which ``int`` refuses) and within ``low..high``, so that a huge one
+    cannot overflow SQLite mid-stream. InvalidRequest naming ``name`` otherwise."""
+    text = raw.strip()
+    # Length first: ``int`` of a long digit string costs time quadratic in its length.
+    if (
+        not text.isascii()
+        or not text.isdigit()
+        or len(text) > len(str(high))
+        or not low <= (value := int(text)) <= high
+    ):
+        raise InvalidRequest(
+            f"{name} must be an integer from {low} to {high}, got {raw[:40]!r}.", param=name
+        )
+    return value

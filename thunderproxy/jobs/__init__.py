@@ -93,7 +93,12 @@ async def open_council(
     reconnects when it changes (``JobStore``)."""
     config = council_config(settings)
     store = await JobStore.open(settings.db, db_generation=db_generation)
-    runner = CouncilRunner(store, config)
+    runner = CouncilRunner(
+        store,
+        config,
+        max_jobs=settings.council.max_jobs,
+        max_jobs_per_client=settings.council.max_jobs_per_client,
+    )
     blueprint = create_blueprint(
         runner, admin_token=settings.admin_token, keepalive_s=settings.council.keepalive
     )

@@ -4,6 +4,8 @@ ThunderproxyError
   RequestError
     ConversationUnknown     no conversation with that id (404)
     JobRunning              a council job already runs for the conversation (409)
+    TooManyJobs             the client, or all clients together, have as many jobs running
+                            as allowed (429)
   JobFailed                 the council could not answer at all (no member answered)
   StoreUnavailable          the council's tables cannot be written, even after retries (503)
   MemberFailed              one member's call failed; the council leaves it out
@@ -38,6 +40,10 @@ class JobRunning(RequestError):
         self.job_id = job_id
 
 
+class TooManyJobs(RequestError):
+    """A new job would pass ``--council-max-jobs`` or ``--council-max-jobs-per-client``."""
+
+
 class JobFailed(ThunderproxyError):
     """The council could not answer at all."""
 
@@ -57,6 +63,7 @@ class ToolFailed(ThunderproxyError):
 COUNCIL_ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
     ConversationUnknown: (404, "not_found_error"),
     JobRunning: (409, "conflict_error"),
+    TooManyJobs: (429, "rate_limit_error"),
     JobFailed: (502, "council_error"),
     StoreUnavailable: (503, "service_unavailable"),
 }

@@ -19,6 +19,7 @@ from quart import Blueprint, Response, jsonify, request
 from ..errors import InvalidRequest, ThunderproxyError
 from ..http.auth import require_admin
 from ..http.errors import error_body
+from ..http.validate import parse_integer
 from .errors import ConversationUnknown, JobFailed, JobRunning, StoreUnavailable, describe
 from .runner import CouncilRunner
 
@@ -155,7 +156,7 @@ def create_blueprint(
     async def message(conversation_id: str) -> tuple[Response, int]:
         await conversation_or_404(conversation_id)
         content = await question()
-        job_id = await runner.start(conversation_id, content)
+        job_id = await runner.start(conversation_id, content, client=request.remote_addr)
         unrecorded = await runner.wait(job_id)
         if unrecorded is not None:
             # The job could not record how it ended: the db refused its writes.
@@ -179,7 +180,7 @@ def create_blueprint(
     async def message_stream(conversation_id: str) -> Response:
         await conversation_or_404(conversation_id)
         content = await question()
-        job_id = await runner.start(conversation_id, content)
+        job_id = await runner.start(conversation_id, content, client=request.remote_addr)
         return stream(job_id, 0)
 
     @bp.get("/api/conversations/<conversation_id>/job/status")
@@ -203,11 +204,11 @@ def create_blueprint(
     @bp.get("/api/conversations/<conversation_id>/job/stream")
     async def job_stream(conversation_id: str) -> Response:
         await conversation_or_404(conversation_id)
-        raw = request.args.get("after") or request.headers.get("last-event-id") or "0"
-        try:
-            after = int(raw)
-        except ValueError:
-            raise InvalidRequest(f"after must be an event number, got {raw!r}.") from None
+        name, raw = "after", request.args.get("after")
+        if not raw:
+            name, raw = "last-event-id", request.headers.get("last-event-id") or "0"
+        # Bounded before the stream starts: past SQLite's range it failed mid-stream.
+        after = parse_integer(raw, name)
         job_id = request.args.get("job_id") or await store.latest_job(conversation_id)
         if job_id is None:
             raise InvalidRequest(f"Conversation {conversation_id!r} has no council job yet.")
@@ -218,6 +219,6 @@ def create_blueprint(
                 "leave job_id out to follow its latest job.",
                 param="job_id",
             )
-        return stream(job_id, max(0, after))
+        return stream(job_id, after)
 
     return bp

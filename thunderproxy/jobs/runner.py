@@ -26,7 +26,7 @@ import trio
 from ..errors import InvalidRequest
 from . import council, pipeline
 from .council import MemberAnswer, MemberRanking
-from .errors import JobFailed, JobRunning, StoreUnavailable
+from .errors import JobFailed, JobRunning, StoreUnavailable, TooManyJobs
 from .llm import ChatClient
 from .pipeline import CouncilConfig
 from .store import Event, JobStore
@@ -68,10 +68,16 @@ class CouncilRunner:
         config: CouncilConfig,
         *,
         toolbox: Toolbox | None = None,
+        max_jobs: int = 16,
+        max_jobs_per_client: int = 4,
     ) -> None:
         self.store = store
         self.config = config
         self.toolbox = toolbox
+        self.max_jobs = max_jobs
+        self.max_jobs_per_client = max_jobs_per_client
+        #: The client address that started each running job (None: resumed after a restart).
+        self._client_of: dict[str, str | None] = {}
         self.client: ChatClient | None = None
         self.live: dict[str, LiveJob] = {}
         self._by_conversation: dict[str, str] = {}
@@ -130,8 +136,29 @@ class CouncilRunner:
     def running_job(self, conversation_id: str) -> str | None:
         return self._by_conversation.get(conversation_id)
 
-    async def start(self, conversation_id: str, question: str) -> str:
-        """Record the question and start its job; raises ``JobRunning`` if one runs already."""
+    def _check_capacity(self, client: str | None) -> None:
+        """Refuse a new job past the caps: a job outlives the request that started it, so a
+        client that starts many and leaves would otherwise have every one run to the end.
+        Jobs being started count (their reservation holds ``"starting"``)."""
+        running = len(self._by_conversation)
+        if running >= self.max_jobs:
+            raise TooManyJobs(
+                f"{running} council jobs are running, the most --council-max-jobs allows; "
+                "wait for one to finish and ask again."
+            )
+        if client is None:
+            return
+        mine = sum(1 for owner in self._client_of.values() if owner == client)
+        if mine >= self.max_jobs_per_client:
+            raise TooManyJobs(
+                f"Client {client} has {mine} council jobs running, the most "
+                "--council-max-jobs-per-client allows; wait for one to finish (follow it at "
+                ".../job/stream) and ask again."
+            )
+
+    async def start(self, conversation_id: str, question: str, client: str | None = None) -> str:
+        """Record the question and start its job; raises ``JobRunning`` if one runs already,
+        ``TooManyJobs`` past the caps on running jobs (``client``: the caller's address)."""
         if self._nursery is None:
             raise JobFailed("The council is not running; the proxy is starting or stopping.")
         if not self.config.members:
@@ -142,8 +169,12 @@ class CouncilRunner:
         running = self._by_conversation.get(conversation_id)
         if running is not None:
             raise JobRunning(conversation_id, running)
+        self._check_capacity(client)
         # Reserve before the first await, so two concurrent starts cannot both pass the check.
         self._by_conversation[conversation_id] = "starting"
+        reservation = f"starting:{conversation_id}"
+        self._client_of[reservation] = client
+        job_id: str | None = None
         try:
             job_id = await self.store.create_job(
                 conversation_id,
@@ -154,9 +185,14 @@ class CouncilRunner:
             )
             job = await self.store.get_job(job_id)
             assert job is not None
+            # The reservation becomes the job's own entry with no await between.
+            self._client_of[job_id] = self._client_of.pop(reservation)
             await self._launch(job)
         except BaseException:
             self._by_conversation.pop(conversation_id, None)
+            self._client_of.pop(reservation, None)
+            if job_id is not None:
+                self._client_of.pop(job_id, None)
             raise
         return job_id
 
@@ -277,6 +313,7 @@ class CouncilRunner:
         finally:
             live.finished = True
             self.live.pop(job_id, None)
+            self._client_of.pop(job_id, None)
             if self._by_conversation.get(live.conversation_id) == job_id:
                 del self._by_conversation[live.conversation_id]
             live.done.set()

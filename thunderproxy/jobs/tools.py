@@ -2,8 +2,9 @@
 loop that runs a model with them (at most ``max_rounds`` rounds of tool calls, each round's
 calls run in parallel, then a final answer without tools).
 
-``fetch_url`` refuses private, loopback and link-local addresses (every address the host
-resolves to is checked, and each redirect again) unless the allow-private setting says
+``fetch_url`` refuses every address that is not globally routable, and IPv6 addresses that
+carry such an IPv4 address (every address the host resolves to is checked, the connection goes
+to a checked one, and each redirect is checked again) unless the allow-private setting says
 otherwise: a model must not be able to make the proxy read its own network.
 """
 
@@ -127,50 +128,91 @@ def html_to_text(html: str) -> str:
 # --- address checks --------------------------------------------------------------------------
 
 
+#: NAT64's well-known prefix (RFC 6052): its last 32 bits are the IPv4 address reached.
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+#: NAT64 for a network's own use (RFC 8215): never a public host.
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+#: IPv4-compatible IPv6 (deprecated, RFC 4291): ``::a.b.c.d``.
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address carries (6to4, Teredo, NAT64, IPv4-compatible): a
+    packet to it may end up at them, so each is judged as well."""
+    found: list[ipaddress.IPv4Address] = []
+    if ip.sixtofour is not None:
+        found.append(ip.sixtofour)
+    if ip.teredo is not None:
+        found.extend(ip.teredo)
+    if ip in _NAT64 or ip in _IPV4_COMPATIBLE:
+        found.append(ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF))
+    return found
+
+
 def address_refused(address: str) -> bool:
-    """True for addresses a model must not reach: private, loopback, link-local, multicast,
-    reserved, unspecified (IPv4-mapped IPv6 is judged as the IPv4 it carries)."""
+    """True for every address that is not globally routable (``not is_global``: private,
+    loopback, link-local, carrier-grade NAT 100.64.0.0/10, documentation, reserved,
+    unspecified), multicast, and any IPv6 address that carries such an IPv4 address (6to4,
+    Teredo, NAT64, IPv4-compatible); IPv4-mapped IPv6 is judged as the IPv4 it maps."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    return (
-        ip.is_private
-        or ip.is_loopback
-        or ip.is_link_local
-        or ip.is_multicast
-        or ip.is_reserved
-        or ip.is_unspecified
-    )
+    if not ip.is_global or ip.is_multicast:
+        return True
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _NAT64_LOCAL:
+            return True
+        return any(address_refused(str(inner)) for inner in _embedded_ipv4(ip))
+    return False
 
 
-async def check_url(url: str, *, allow_private: bool) -> None:
-    """Refuse anything but http(s) to a host whose every address is public."""
+async def check_url(url: str, *, allow_private: bool) -> str | None:
+    """Refuse anything but http(s) to a host whose every address is globally routable; the
+    address to connect to (the first one resolved, all checked), None when private ones are
+    allowed (the client resolves the host itself)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ToolFailed(f"fetch_url: {url!r} is not an http(s) URL.")
     if allow_private:
-        return
+        return None
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         infos = await trio.socket.getaddrinfo(parts.hostname, port, type=trio.socket.SOCK_STREAM)
     except OSError as exc:
         raise ToolFailed(f"fetch_url: cannot resolve {parts.hostname!r}: {exc}.") from None
-    addresses = {str(info[4][0]) for info in infos}
-    refused = sorted(a for a in addresses if address_refused(a))
+    addresses = [str(info[4][0]) for info in infos]
+    refused = sorted({a for a in addresses if address_refused(a)})
     if refused or not addresses:
         raise ToolFailed(
             f"fetch_url: {parts.hostname!r} resolves to a private or local address "
             f"({', '.join(refused) or 'none'}); such addresses are refused unless the proxy "
             "runs with --council-tools-allow-private."
         )
+    return addresses[0]
+
+
+def _pinned(url: str, address: str | None) -> tuple[httpx.URL, dict[str, str], dict[str, Any]]:
+    """The request for ``url`` sent to ``address``, the one checked: a host that resolves
+    again when the client connects could answer a private address the second time (DNS
+    rebinding). ``Host`` and TLS's server name stay the URL's host."""
+    target = httpx.URL(url)
+    if address is None:
+        return target, {}, {}
+    host = target.host
+    headers = {"host": target.netloc.decode("ascii")}
+    extensions: dict[str, Any] = {"sni_hostname": host} if target.scheme == "https" else {}
+    return target.copy_with(host=address), headers, extensions
 
 
 async def fetch_url(client: httpx.AsyncClient, url: str, settings: ToolSettings) -> str:
     """The text of a web page, at most ``fetch_max_chars`` characters of it."""
     for _ in range(MAX_REDIRECTS + 1):
-        await check_url(url, allow_private=settings.allow_private)
+        address = await check_url(url, allow_private=settings.allow_private)
+        target, headers, extensions = _pinned(url, address)
         try:
-            async with client.stream("GET", url, follow_redirects=False) as response:
+            async with client.stream(
+                "GET", target, headers=headers, extensions=extensions, follow_redirects=False
+            ) as response:
                 if response.is_redirect and "location" in response.headers:
                     url = urljoin(url, response.headers["location"])
                     continue
@@ -277,6 +319,8 @@ class Toolbox:
             return f"Error: {exc.message}"
         except ValueError:
             return f"Error: {call.name}: arguments are not valid JSON."
+        except RecursionError:  # a model's arguments nested past what Python's parser can
+            return f"Error: {call.name}: arguments nest too deep; send a flat JSON object."
         except trio.TooSlowError:
             return f"Error: {call.name} took longer than {self.settings.timeout_s:g} s."
 

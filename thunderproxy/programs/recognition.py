@@ -58,6 +58,7 @@ from typing import Protocol as TypingProtocol
 
 from ..errors import InvalidRequest
 from ..protocols import Protocol, answer_elements, chain_elements
+from ..protocols.base import load_embedded
 
 DEFAULT_PROGRAM = "default"
 MAX_PROGRAM_ID_CHARS = 256
@@ -227,8 +228,8 @@ def claude_code_session(user_id: Any) -> str | None:
     before."""
     if isinstance(user_id, str) and user_id.lstrip().startswith("{"):
         try:
-            user_id = json.loads(user_id)
-        except ValueError:
+            user_id = load_embedded(user_id)
+        except ValueError:  # not JSON, or nested too deep to parse safely
             return None
     if isinstance(user_id, dict):
         return _client_id(user_id.get("session_id"))

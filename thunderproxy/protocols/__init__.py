@@ -14,19 +14,23 @@ no I/O, so the gateway calls it with bytes and JSON it already has:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ThunderproxyError, describe
+from ..errors import InvalidRequest, ThunderproxyError, describe
 from . import anthropic, openai_chat, responses
 from .anthropic import MessagesTap
 from .base import (
     MAX_EVENT_BYTES,
+    MAX_NESTING,
     MAX_TOKENS,
     Prepared,
     Protocol,
     SseTap,
+    TooDeep,
     Usage,
     error_body,
+    load_embedded,
     sse_error_event,
 )
 from .openai_chat import ChatTap
@@ -50,6 +54,7 @@ UNSCHEDULED_ROUTES: dict[str, Protocol] = {"/v1/messages/count_tokens": Protocol
 
 def prepare(protocol: Protocol, body: dict[str, Any]) -> Prepared:
     """Check ``body`` for ``protocol`` and return what the call needs (raises InvalidRequest)."""
+    check_embedded_json(protocol, body)
     if protocol is Protocol.CHAT:
         return openai_chat.prepare_chat(body)
     if protocol is Protocol.COMPLETIONS:
@@ -57,6 +62,57 @@ def prepare(protocol: Protocol, body: dict[str, Any]) -> Prepared:
     if protocol is Protocol.MESSAGES:
         return anthropic.prepare_messages(body)
     return responses.prepare_responses(body)
+
+
+def _has_id(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _embedded_json(protocol: Protocol, body: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """The strings of a request that program recognition parses as JSON, with where each is:
+    the arguments of a tool call without an id (chat, Responses; with an id, the id is compared
+    and the arguments never parsed: ``tool_call_value``) and a Claude Code ``metadata.user_id``
+    (Messages)."""
+    if protocol is Protocol.CHAT:
+        messages = body.get("messages")
+        for i, message in enumerate(messages if isinstance(messages, list) else ()):
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            for j, call in enumerate(calls if isinstance(calls, list) else ()):
+                if not isinstance(call, dict) or _has_id(call.get("id")):
+                    continue
+                function = call.get("function")
+                arguments = function.get("arguments") if isinstance(function, dict) else None
+                if isinstance(arguments, str):
+                    yield f"messages[{i}].tool_calls[{j}].function.arguments", arguments
+    elif protocol is Protocol.RESPONSES:
+        items = body.get("input")
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            if not isinstance(item, dict) or item.get("type") != "function_call":
+                continue
+            arguments = item.get("arguments")
+            if isinstance(arguments, str) and not _has_id(item.get("call_id")):
+                yield f"input[{i}].arguments", arguments
+    elif protocol is Protocol.MESSAGES:
+        metadata = body.get("metadata")
+        user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+        if isinstance(user_id, str) and user_id.lstrip().startswith("{"):
+            yield "metadata.user_id", user_id
+
+
+def check_embedded_json(protocol: Protocol, body: dict[str, Any]) -> None:
+    """Refuse JSON inside a request's strings nested past ``MAX_NESTING`` levels, as the body
+    itself is: parsing it for recognition would recurse past what Python can (a 500 before)."""
+    for where, text in _embedded_json(protocol, body):
+        if text.count("[") + text.count("{") <= MAX_NESTING:
+            continue  # too few brackets to nest that deep: not parsed here
+        try:
+            load_embedded(text)
+        except TooDeep as exc:
+            raise InvalidRequest(
+                f"{where} holds JSON that {exc}; send flatter JSON.", param=where
+            ) from None
+        except ValueError:
+            continue  # not JSON: read as text
 
 
 def tap_for(

@@ -30,6 +30,12 @@ MAX_EVENT_BYTES = 1 << 20
 #: Token counts above this are a backend bug, not a prompt: no model has a context this long.
 MAX_TOKENS = 100_000_000
 
+#: Deepest nesting of arrays and objects the proxy reads, in a request body or in JSON held in
+#: one of its strings (tool-call arguments, ``metadata.user_id``). Python's parser and encoder
+#: recurse, so past ~1,000 levels they raise RecursionError; a bound well below keeps every later
+#: walk (hashing, re-encoding) safe. A chat request needs ~6.
+MAX_NESTING = 64
+
 #: An SSE event ends at a blank line; "\r\n" line ends are allowed.
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 #: A boundary is at most 4 bytes, so a search resumes this far before where the last one stopped.
@@ -58,6 +64,44 @@ class Prepared:
     body: dict[str, Any]
     #: Chat only: the proxy asked for the usage chunk the client did not, so the tap removes it.
     hide_usage: bool = False
+
+
+# --- JSON inside strings -----------------------------------------------------------------------
+
+
+class TooDeep(ValueError):
+    """JSON nested past ``MAX_NESTING`` levels."""
+
+
+def deeper_than(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels deep (the top level is 1)."""
+    level = [value] if isinstance(value, dict | list) else []
+    depth = 1
+    while level:
+        if depth > limit:
+            return True
+        children: list[Any] = []
+        for node in level:
+            children.extend(node.values() if isinstance(node, dict) else node)
+        level = [child for child in children if isinstance(child, dict | list)]
+        depth += 1
+    return False
+
+
+def load_embedded(text: str, limit: int = MAX_NESTING) -> Any:
+    """JSON held in a string (tool-call arguments, a session id), parsed with its nesting bounded.
+
+    ValueError if it is not JSON; ``TooDeep`` (a ValueError) if it nests more than ``limit``
+    levels, so a caller that treats unparseable text as text treats it the same way.
+    """
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise TooDeep(f"nests arrays and objects more than {limit} levels deep") from None
+    # Few brackets cannot nest deep: the walk is skipped for almost every string.
+    if text.count("[") + text.count("{") > limit and deeper_than(value, limit):
+        raise TooDeep(f"nests arrays and objects more than {limit} levels deep")
+    return value
 
 
 # --- errors ------------------------------------------------------------------------------------

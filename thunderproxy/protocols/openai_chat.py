@@ -6,7 +6,6 @@ Streamed usage only arrives if the request asks for it (``stream_options.include
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..errors import InvalidRequest
@@ -22,6 +21,7 @@ from .base import (
     check_model,
     checked_usage,
     json_data,
+    load_embedded,
     schema_chars,
     text_chars,
 )
@@ -219,8 +219,8 @@ def canonical_arguments(arguments: Any) -> Any:
     often parse the model's JSON string and serialise it again."""
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
-        except ValueError:
+            return load_embedded(arguments)
+        except ValueError:  # not JSON, or nested too deep to hash safely: compared as text
             return arguments.strip()
     return arguments
 
