@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import tomllib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -515,6 +516,15 @@ class Settings:
         "", "TLS certificate (PEM) to serve HTTPS with; needs --keyfile. Empty: plain HTTP."
     )
     keyfile: str = setting("", "TLS private key (PEM) matching --certfile.")
+    sim: Mapping[str, Any] = setting(
+        FrozenMap[str, Any](),
+        "A setting of the simulator started when no --backends are given, as NAME=VALUE "
+        "(repeatable): any `thunderproxy sim` option by its field name, e.g. --sim "
+        "max_model_len=262144 or --sim time_scale=0.5 (`thunderproxy sim --help` lists them; "
+        "docs/SIMULATOR.md). THUNDERPROXY_SIM_<NAME> variables and a [sim] table in the --config "
+        "file set them too.",
+        flag="--sim",
+    )
     # Structured configuration: from a --config file's sections, not from single flags.
     #: Every backend with what the file says about it; ``--backends`` gives URL-only specs.
     backend_specs: tuple[BackendSpec, ...] = ()
@@ -564,6 +574,8 @@ class Settings:
         ]
         values["aliases"] = {name: list(targets) for name, targets in self.aliases.items()}
         values["limits"] = None if self.limits is None else self.limits.public()
+        # The simulator's api_key is a credential like any other.
+        values["sim"] = {k: "<redacted>" if k == "api_key" else v for k, v in self.sim.items()}
         return values
 
 
@@ -865,6 +877,13 @@ def read_config_file(path: str) -> ConfigFile:
 def _from_toml(item: Setting, value: Any, where: Where) -> Any:
     """A TOML value checked against the setting's type (TOML is typed; flags arrive typed)."""
     default = item.default
+    if isinstance(default, Mapping):
+        if not isinstance(value, dict):
+            raise where.error(
+                f"expected a table, got {_type_name(value)}",
+                "write [sim] with lines like max_model_len = 262144",
+            )
+        return sim_overrides(value, str(where.file) + ": sim")
     if isinstance(default, bool):
         ok = isinstance(value, bool)
         expected = "true or false"
@@ -884,6 +903,63 @@ def _from_toml(item: Setting, value: Any, where: Where) -> Any:
             f"see `{item.flag}` in `thunderproxy serve --help`",
         )
     return value
+
+
+# --- the embedded simulator's settings -----------------------------------------------------
+
+#: The prefix of the ``thunderproxy sim`` variables, which ``serve`` reads for its simulator.
+SIM_ENV_PREFIX = ENV_PREFIX + "SIM_"
+
+
+def sim_overrides(value: Any, origin: str) -> FrozenMap[str, Any]:
+    """The embedded simulator's settings, by ``SimConfig`` field name, from ``NAME=VALUE``
+    pairs (flags, variables) or a mapping (a ``[sim]`` table, code); every problem is a
+    ConfigError naming where it came from and what the setting takes."""
+    # Imported here: the simulator's package is large and only this check needs it.
+    from .sim.config import EMBEDDED, SimConfig, knob_value
+
+    pairs: list[tuple[str, Any]] = []
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    else:
+        for pair in (value,) if isinstance(value, str) else value:
+            name, sep, raw = str(pair).partition("=")
+            if not sep:
+                raise ConfigError(
+                    f"{origin} {pair!r}: expected NAME=VALUE, e.g. --sim max_model_len=262144."
+                )
+            pairs.append((name, raw.strip()))
+    known = [f.name for f in dataclasses.fields(SimConfig)]
+    out: dict[str, Any] = {}
+    for name, raw in pairs:
+        key = name.strip().replace("-", "_")
+        if key not in known:
+            raise ConfigError(
+                f"{origin}: {name!r} is not a `thunderproxy sim` setting; {_suggest(key, known)}"
+            )
+        try:
+            out[key] = knob_value(key, raw)
+        except ValueError as exc:
+            raise ConfigError(f"{origin}: {exc}.") from None
+    try:
+        SimConfig(**{**EMBEDDED, **out})
+    except ValueError as exc:
+        raise ConfigError(f"{origin}: {exc}.") from None
+    return FrozenMap(out)
+
+
+def sim_environment(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The ``THUNDERPROXY_SIM_<NAME>`` variables that name simulator settings, as ``NAME=VALUE``
+    pairs (``thunderproxy sim``'s own HOST and PORT are not settings of the simulator)."""
+    from .sim.config import SimConfig
+
+    known = {f.name for f in dataclasses.fields(SimConfig)}
+    pairs = []
+    for variable, value in sorted(environ.items()):
+        name = variable.removeprefix(SIM_ENV_PREFIX).lower()
+        if variable.startswith(SIM_ENV_PREFIX) and name in known:
+            pairs.append(f"{name}={value}")
+    return tuple(pairs)
 
 
 # --- loading --------------------------------------------------------------------------------
@@ -941,10 +1017,16 @@ def load_settings(
     given_origin = {**{s.name: s.flag for s in SETTINGS}, **(origins or {})}
     file = read_config_file(raw["config"]) if raw.get("config") else None
     merged: dict[str, tuple[Any, str]] = {}
+    file_sim = None if file is None else file.settings.get("sim")
     if file is not None:
         for name, value in file.settings.items():
             merged[name] = (value, f"{file.path}: {name}")
     for name, value in raw.items():
+        if name == "sim":
+            # One simulator setting at a time: the file's table, then variables, then flags.
+            value = sim_overrides(value, given_origin[name])
+            if name in merged:
+                value = FrozenMap({**merged[name][0], **value})
         if name in SETTINGS_BY_NAME:
             merged[name] = (value, given_origin[name])
     fields: dict[str, Any] = dict(file.fields) if file is not None else {}
@@ -968,6 +1050,15 @@ def load_settings(
             (name,) = path
             kwargs[name] = dataclasses.replace(getattr(Settings(), name), **group_values)
     settings = Settings(**kwargs, **fields)
+    if settings.sim and settings.backends:
+        if given_origin.get("sim") == SIM_ENV_PREFIX + "*" and file_sim is None:
+            # Variables left in the shell for a `thunderproxy sim` that --backends points at.
+            settings = dataclasses.replace(settings, sim=FrozenMap())
+        else:
+            raise ConfigError(
+                "--sim (or a [sim] table) sets the simulator that serve starts when no "
+                "--backends are given; remove it, or the backends."
+            )
     if file is not None:
         _check_aliases(settings, Where(file.path, "aliases"))
     if settings.protect_reads and not settings.admin_token:
@@ -1000,6 +1091,13 @@ def given_values(
         given[name] = value
         if source is click.core.ParameterSource.ENVIRONMENT:
             origins[name] = SETTINGS_BY_NAME[name].envvar
+    if "sim" in values:
+        # The simulator's variables are `thunderproxy sim`'s own, one per setting; flags win.
+        from_env = sim_environment(os.environ)
+        if from_env and "sim" not in given:
+            origins["sim"] = SIM_ENV_PREFIX + "*"
+        if from_env:
+            given["sim"] = (*from_env, *given.get("sim", ()))
     return given, origins
 
 
@@ -1015,7 +1113,13 @@ def settings_options(settings: Iterable[Setting] = SETTINGS) -> Callable[[F], F]
                 "show_envvar": True,
                 "show_default": not item.secret,
             }
-            if isinstance(default, bool):
+            if isinstance(default, Mapping):
+                # NAME=VALUE pairs, repeatable; their variables are THUNDERPROXY_SIM_<NAME>.
+                kwargs.update(multiple=True, metavar="NAME=VALUE", show_envvar=False)
+                kwargs.update(envvar=None, show_default=False)
+                decls = [item.flag, item.name]
+                default = ()
+            elif isinstance(default, bool):
                 decls = [f"{item.flag}/--no-{item.flag[2:]}", item.name]
             else:
                 decls = [item.flag, item.name]
@@ -1042,12 +1146,16 @@ def settings_table() -> str:
         value = item.default
         if isinstance(value, bool):
             return "on" if value else "off"
-        if value in ("", ()):
+        if value in ("", ()) or (isinstance(value, Mapping) and not value):
             return "(empty)"
         return f"`{value}`"
 
     rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
     for item in SETTINGS:
-        flag = f"{item.flag}/--no-{item.flag[2:]}" if isinstance(item.default, bool) else item.flag
+        flag = item.flag
+        if isinstance(item.default, bool):
+            flag = f"{item.flag}/--no-{item.flag[2:]}"
+        elif isinstance(item.default, Mapping):
+            flag = f"{item.flag} NAME=VALUE"
         rows.append(f"| `{flag}` | {shown(item)} | {item.help} |")
     return "\n".join(rows) + "\n"
