@@ -471,3 +471,18 @@ def test_the_embedded_simulator_fits_a_long_agent_context() -> None:
     kv = config.resolved_num_gpu_blocks() * config.resolved_block_size()
     assert kv >= config.max_model_len
     assert config.cache_report()
+
+
+def test_serve_help_lists_the_common_options_first_then_every_setting_in_one_section() -> None:
+    from thunderproxy.config import HELP_SECTIONS
+
+    named = [name for _, names in HELP_SECTIONS for name in names]
+    assert len(named) == len(set(named))
+    assert set(named) == set(SETTINGS_BY_NAME)
+    text = CliRunner().invoke(cli, ["serve", "--help"], terminal_width=100).output
+    titles = [line[:-1] for line in text.splitlines() if line.endswith(":") and line[0] != " "]
+    assert titles == [title for title, _ in HELP_SECTIONS] + ["Other options"]
+    common = text.split("Common options:", 1)[1].split("\n\n", 1)[0]
+    assert "--backends" in common
+    assert "--sim NAME=VALUE" in common
+    assert "--council-models" not in common

@@ -164,21 +164,26 @@ class PolicyConfig:
     setting with its own flag."""
 
     decode_buffer: int = setting(
-        256, "tr: tokens reserved for decoding per reasoning program (seed DECODE_BUFFER)."
+        256,
+        "tr: tokens reserved for decoding per reasoning program (DECODE_BUFFER in ThunderAgent's "
+        "router).",
     )
     pause_cooldown_s: float = setting(
         5.0 * SECONDS,
-        "tr: seconds between two pause rounds on one backend (seed PAUSE_COOLDOWN).",
+        "tr: seconds between two pause rounds on one backend (PAUSE_COOLDOWN in ThunderAgent's "
+        "router).",
         flag="--pause-cooldown",
     )
     resume_cooldown_s: float = setting(
         5.0 * SECONDS,
-        "tr: seconds between two resume rounds on one backend (seed RESUME_COOLDOWN).",
+        "tr: seconds between two resume rounds on one backend (RESUME_COOLDOWN in ThunderAgent's "
+        "router).",
         flag="--resume-cooldown",
     )
     tool_coefficient: float = setting(
         1.0,
-        "tr: weight of an acting program's tokens in the capacity model (seed TOOL_COEFFICIENT).",
+        "tr: weight of an acting program's tokens in the capacity model (TOOL_COEFFICIENT in "
+        "ThunderAgent's router).",
     )
     acting_half_life_s: float = setting(
         5.0 * SECONDS,
@@ -451,7 +456,7 @@ class Settings:
     unsecured: bool = setting(
         False,
         "Worker mode, local development only: accept requests without the autoscaler's "
-        "signature (the seed's UNSECURED).",
+        "signature (PyWorker's UNSECURED).",
     )
     max_wait_time: float = setting(
         10.0 * SECONDS,
@@ -461,7 +466,7 @@ class Settings:
     parallel: bool = setting(
         True,
         "Worker mode: forward requests concurrently; --no-parallel serves them one at a time, "
-        "in arrival order (the seed's ALLOW_PARALLEL=false).",
+        "in arrival order (PyWorker's ALLOW_PARALLEL=false).",
     )
     benchmark: str = setting(
         "",
@@ -476,7 +481,7 @@ class Settings:
     worker_ready_timeout: float = setting(
         1200.0 * SECONDS,
         "Worker mode: seconds the backend may take to answer /health before the worker reports "
-        "it failed and stays up as a beacon (the seed's 20 min).",
+        "it failed and stays up as a beacon (PyWorker's 20 min).",
     )
     program_tokens: int = setting(
         20_000,
@@ -1109,14 +1114,14 @@ def settings_options(settings: Iterable[Setting] = SETTINGS) -> Callable[[F], F]
             default = item.default
             kwargs: dict[str, Any] = {
                 "help": item.help,
+                # Each reads THUNDERPROXY_<NAME>; the command's help says so once.
                 "envvar": item.envvar,
-                "show_envvar": True,
-                "show_default": not item.secret,
+                # An empty default says nothing worth a line.
+                "show_default": not item.secret and item.default not in ("", ()),
             }
             if isinstance(default, Mapping):
                 # NAME=VALUE pairs, repeatable; their variables are THUNDERPROXY_SIM_<NAME>.
-                kwargs.update(multiple=True, metavar="NAME=VALUE", show_envvar=False)
-                kwargs.update(envvar=None, show_default=False)
+                kwargs.update(multiple=True, metavar="NAME=VALUE", envvar=None, show_default=False)
                 decls = [item.flag, item.name]
                 default = ()
             elif isinstance(default, bool):
@@ -1137,6 +1142,65 @@ def settings_options(settings: Iterable[Setting] = SETTINGS) -> Callable[[F], F]
         return fn
 
     return decorate
+
+
+#: How ``serve --help`` groups the settings: the common ones first, then one section per area.
+#: A setting no section names is listed under "Other options" (and test_config says so).
+HELP_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Common options", ("backends", "port", "host", "db", "config", "router", "sim", "log_level")),
+    (
+        "Backends",
+        ("metrics", "metrics_interval", "connect_timeout", "first_byte_timeout", "read_timeout",
+         "max_connections", "ready_timeout"),
+    ),
+    (
+        "Programs and scheduling (docs/SCHEDULING.md)",
+        ("recognition", "profile", "restore", "monitor_interval", "decode_buffer",
+         "pause_cooldown", "resume_cooldown", "tool_coefficient", "acting_half_life",
+         "admission_half_life", "max_wait", "mid_program_head_start", "hold",
+         "make_room_at_once", "idle_claims", "return_evidence", "resume_protection",
+         "idle_lease", "target_fill", "max_queue_wait", "gate_returns", "tier_max_load_share",
+         "tier_reload_window"),
+    ),
+    (
+        "Serving, access and the audit log",
+        ("admin_token", "passthrough", "protect_reads", "datasette", "http_front", "certfile",
+         "keyfile", "max_body_bytes", "max_header_bytes", "client_timeout", "shutdown_grace",
+         "audit_queue"),
+    ),
+    ("Several processes or instances (docs/DEPLOY.md)", ("workers", "redis", "redis_heartbeat")),
+    (
+        "LLM council (docs/COUNCIL.md)",
+        ("council_models", "council_chairman", "council_title_model", "council_member_timeout",
+         "council_max_tokens", "council_tools", "council_tool_rounds",
+         "council_tools_allow_private", "council_search_url", "council_search_key",
+         "council_keepalive"),
+    ),
+    (
+        "Serverless worker mode (docs/WORKER.md)",
+        ("report_addr", "unsecured", "max_wait_time", "parallel", "benchmark", "benchmark_cache",
+         "worker_ready_timeout", "program_tokens"),
+    ),
+)  # fmt: skip
+
+
+class SettingsCommand(click.Command):
+    """A command whose ``--help`` lists its options in the sections of ``HELP_SECTIONS``."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records: dict[str, tuple[str, str]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None and param.name is not None:
+                records[param.name] = record
+        for title, names in HELP_SECTIONS:
+            rows = [records.pop(name) for name in names if name in records]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+        if records:
+            with formatter.section("Other options"):
+                formatter.write_dl(list(records.values()))
 
 
 def settings_table() -> str:

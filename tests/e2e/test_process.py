@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,12 +17,6 @@ from thunderproxy.sim import SimConfig, open_simulator
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
-
-
-@pytest.fixture(scope="session")
-def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    subprocess.run([sys.executable, "zipapp.py"], cwd=ROOT, check=True, capture_output=True)
-    return ROOT / "dist" / "thunderproxy.pyz"
 
 
 async def serve_simulator_task(
@@ -73,7 +66,7 @@ async def test_served_process_speaks_to_the_openai_client_and_stops_cleanly_on_s
     pyz = request.getfixturevalue("pyz") if kind == "pyz" else None
     sim = await nursery.start(serve_simulator_task, SIM)
     db = tmp_path / "audit.db"
-    env = {**os.environ, "THUNDERPROXY_PYZ_CACHE": str(tmp_path / "cache")}
+    env = dict(os.environ)  # the run's own THUNDERPROXY_PYZ_CACHE (conftest.py)
     argv = [*command(kind, pyz), "serve", "--port", "0", "--backends", sim, "--db", str(db)]
     process, url = await spawn_serving(argv, env)
     try:

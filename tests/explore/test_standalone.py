@@ -25,12 +25,6 @@ EXPLORING = re.compile(rb"read-only at (http://127\.0\.0\.1:\d+/datasette/)")
 LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 
 
-@pytest.fixture(scope="session")
-def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    subprocess.run([sys.executable, "zipapp.py"], cwd=ROOT, check=True, capture_output=True)
-    return ROOT / "dist" / "thunderproxy.pyz"
-
-
 def command(kind: str, pyz: Path | None) -> list[str]:
     if kind == "module":
         return [sys.executable, "-m", "thunderproxy"]
@@ -40,7 +34,7 @@ def command(kind: str, pyz: Path | None) -> list[str]:
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "THUNDERPROXY_PYZ_CACHE": str(tmp_path.parent / "pyz-cache")}
+    return dict(os.environ)  # the run's own THUNDERPROXY_PYZ_CACHE (conftest.py)
 
 
 async def start(

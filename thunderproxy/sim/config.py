@@ -40,7 +40,7 @@ class TimingProfile:
     block_size: int = 16
     description: str = ""
     # Frontend cost per prompt token (tokenization, template rendering) before a request
-    # reaches the engine; 0 in the §5 profiles, which model the GPU only.
+    # reaches the engine; 0 in the profiles but the fitted one, which model the GPU only.
     c_prep_us: float = 0.0
     # KV bytes one token takes over all layers and TP ranks (2 x layers x KV heads x
     # head dim x dtype bytes); sizes the CPU tier and its transfers.
