@@ -104,7 +104,7 @@ def _progress_factory(enabled: bool | None) -> Any:
     default=0,
     show_default=True,
     type=int,
-    help="Seed of imputation, program order, prompts and Poisson arrivals.",
+    help="Random seed of imputation, program order, prompts and Poisson arrivals.",
 )
 @click.option("--arrivals", type=click.Choice(["closed", "poisson", "trace"]), default=None,
               help="closed: --concurrency agents; poisson: --rate programs/s; trace: "

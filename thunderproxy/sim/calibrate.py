@@ -1,6 +1,6 @@
 """Replay the ThunderAgent SWE-agent runs through the engine and fit a timing profile.
 
-The trace (../shared/traces/thunderagent_sweagent_glm45_calls.jsonl) records GLM-4.5-FP8
+The trace (thunderagent_sweagent_glm45_calls.jsonl) records GLM-4.5-FP8
 on vLLM serving SWE-agent with 1, 4 and 32 parallel workers (runs bs1, bs4, bs32). Each
 program is replayed closed-loop on trio's MockClock (virtual time, seconds per run):
 append-only prompts (so prefix caching behaves as it did), the recorded tool gaps, and
@@ -228,7 +228,7 @@ def table(sim: dict[str, dict[str, float]], real: dict[str, dict[str, float]]) -
 @click.option(
     "--traces",
     default=None,
-    help="Trace folder (default $THUNDERPROXY_TRACES or ../shared/traces).",
+    help="Trace folder (default: where `thunderproxy bench` finds traces, docs/BENCH.md).",
 )
 @click.option(
     "--profile", default="glm45-swe", show_default=True, type=click.Choice(list(PROFILES))
