@@ -59,7 +59,9 @@ def openai_calls(base_url: str) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("kind", ["module", "pyz"])
+# The archive's runs are slow: the pyz fixture pip-installs every dependency to build it (some
+# two minutes, and a network); `pytest -m slow` runs them, the module runs cover the rest.
+@pytest.mark.parametrize("kind", ["module", pytest.param("pyz", marks=pytest.mark.slow)])
 async def test_served_process_speaks_to_the_openai_client_and_stops_cleanly_on_sigterm(
     kind: str, request: pytest.FixtureRequest, nursery: trio.Nursery, tmp_path: Path
 ) -> None:

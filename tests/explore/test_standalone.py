@@ -70,7 +70,9 @@ async def stopped_after() -> AsyncIterator[list[trio.Process]]:
             assert await process.wait() == 0
 
 
-@pytest.mark.parametrize("kind", ["module", "pyz"])
+@pytest.mark.parametrize(
+    "kind", ["module", pytest.param("pyz", marks=pytest.mark.slow)]
+)  # slow: see test_process
 async def test_explore_serves_the_same_pages_read_only(
     kind: str,
     request: pytest.FixtureRequest,
@@ -120,6 +122,7 @@ async def test_explore_refuses_a_missing_or_unmigrated_db(tmp_path: Path) -> Non
     assert b"thunderproxy migrate --db" in outdated.stderr
 
 
+@pytest.mark.slow  # builds the archive (test_process says why that is slow)
 async def test_serve_from_the_zipapp_mounts_datasette(
     pyz: Path,
     tmp_path: Path,

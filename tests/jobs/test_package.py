@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from tests.conftest import query, spawn_serving
@@ -16,6 +17,7 @@ from tests.jobs.helpers import MODELS, sim_config
 from thunderproxy.sim import open_simulator
 
 
+@pytest.mark.slow  # builds the archive (tests/e2e/test_process.py says why that is slow)
 async def test_the_zipapp_serves_the_page_and_runs_a_council(
     pyz: Path,
     tmp_path: Path,
