@@ -71,15 +71,23 @@ async def test_claude_code_print_mode_is_one_program(tmp_path: Path) -> None:
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "DISABLE_AUTOUPDATER": "1",
         }
-        argv = [str(claude), "-p", "Say hello in one sentence.", "--model", MODEL]
-        with trio.fail_after(300):
-            done = await trio.run_process(
-                argv, env=env, cwd=tmp_path, capture_stdout=True, capture_stderr=True, check=False
-            )
-        output = done.stdout.decode(errors="replace")
-        errors = done.stderr.decode(errors="replace")
-        assert done.returncode == 0, (output[-2000:], errors[-2000:])
-        assert output.strip(), errors[-2000:]
+        # Two turns of one session: the second (--continue keeps the session's id) makes at
+        # least one more call, whatever the simulator draws for the first.
+        for turn in (["Say hello in one sentence."], ["--continue", "Say it once more."]):
+            argv = [str(claude), "-p", *turn, "--model", MODEL]
+            with trio.fail_after(300):
+                done = await trio.run_process(
+                    argv,
+                    env=env,
+                    cwd=tmp_path,
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                )
+            output = done.stdout.decode(errors="replace")
+            errors = done.stderr.decode(errors="replace")
+            assert done.returncode == 0, (output[-2000:], errors[-2000:])
+            assert output.strip(), errors[-2000:]
     rows = query(
         db,
         "SELECT program_id, endpoint, status, prompt_tokens, cached_tokens FROM steps ORDER BY id",
@@ -98,6 +106,10 @@ async def test_claude_code_print_mode_is_one_program(tmp_path: Path) -> None:
     assert program.startswith("claude-code:")
     # Each call resends the conversation: every one after the first reads its prefix from the
     # cache, reported in Anthropic's cache_read_input_tokens and recorded as cached tokens.
+    print(
+        "steps (prompt tokens, cached tokens):",
+        [(r["prompt_tokens"], r["cached_tokens"]) for r in messages],
+    )
     assert messages[0]["cached_tokens"] == 0, messages
     later = messages[1:]
     assert later, messages
