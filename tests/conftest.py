@@ -6,9 +6,9 @@
   under ``tmp_path``) and bound every wait with ``trio.fail_after``.
 - Nothing here talks to anything but 127.0.0.1.
 - Nothing is written outside temporary folders: the archive the pyz tests run is built in one
-  (never into dist/), and every process the tests start unpacks archives into a folder of the
-  run's own (never into the user's ~/.cache/thunderproxy). ``pytest_sessionfinish`` fails the
-  run if dist/ or that cache changed while it ran.
+  (never into dist/), every process the tests start unpacks archives into a folder of the run's
+  own (never into the user's ~/.cache/thunderproxy), and Hypothesis keeps its data there too.
+  ``pytest_sessionfinish`` fails the run if dist/ or that cache changed while it ran.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import trio
 from hypothesis import HealthCheck, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from thunderproxy.config import load_settings
 from thunderproxy.runtime import RunningProxy, run
@@ -81,10 +82,13 @@ _RUN_CACHE = pytest.StashKey[tempfile.TemporaryDirectory[str]]()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_BEFORE] = watched()
-    # Every process started by a test inherits this: archives unpack into the run's folder.
-    folder = tempfile.TemporaryDirectory(prefix="thunderproxy-test-pyz-cache-")
+    folder = tempfile.TemporaryDirectory(prefix="thunderproxy-test-run-")
     config.stash[_RUN_CACHE] = folder
-    os.environ["THUNDERPROXY_PYZ_CACHE"] = folder.name
+    # Every process started by a test inherits this: archives unpack into the run's folder.
+    os.environ["THUNDERPROXY_PYZ_CACHE"] = str(Path(folder.name) / "pyz-cache")
+    # Hypothesis keeps its examples and caches there too, not in a .hypothesis/ of the checkout
+    # (a failing example is printed with the failure, to be replayed from there).
+    set_hypothesis_home_dir(Path(folder.name) / "hypothesis")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
