@@ -2,6 +2,10 @@
 
     python zipapp.py            # -> dist/thunderproxy.pyz
     python dist/thunderproxy.pyz serve --backends http://127.0.0.1:8000
+    python zipapp.py --out /somewhere/thunderproxy.pyz --build-dir /somewhere/staging
+
+The archive is written beside its target and then renamed over it, so a copy that is running
+while another is built keeps reading the file it started from.
 
 The archive runs on a plain ``python3.11`` with no virtualenv. Some dependencies cannot run from
 inside a zip (greenlet is a compiled module; Datasette reads its templates through file paths),
@@ -19,7 +23,9 @@ HERE = Path(__file__).resolve().parent
 # This file is named like the stdlib module it uses: drop our folder from the path first.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
+import argparse  # noqa: E402
 import hashlib  # noqa: E402
+import os  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tomllib  # noqa: E402
@@ -78,11 +84,25 @@ def build_id(root: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def shown(path: Path) -> str:
+    return str(path.relative_to(HERE)) if path.is_relative_to(HERE) else str(path)
+
+
 def main() -> None:
-    if STAGING.exists():
-        shutil.rmtree(STAGING)
-    STAGING.mkdir(parents=True)
-    print(f"installing {len(dependencies())} dependencies into {STAGING.relative_to(HERE)} ...")
+    parser = argparse.ArgumentParser(description="Build the single-file thunderproxy.pyz.")
+    parser.add_argument("--out", type=Path, default=TARGET, help=f"default: {shown(TARGET)}")
+    parser.add_argument(
+        "--build-dir", type=Path, default=STAGING, help=f"staging folder; default: {shown(STAGING)}"
+    )
+    args = parser.parse_args()
+    build(args.out.resolve(), args.build_dir.resolve())
+
+
+def build(target: Path, staging: Path) -> None:
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    print(f"installing {len(dependencies())} dependencies into {shown(staging)} ...")
     subprocess.run(
         [
             sys.executable,
@@ -93,29 +113,34 @@ def main() -> None:
             "--disable-pip-version-check",
             "--no-compile",
             "--target",
-            str(STAGING),
+            str(staging),
             *dependencies(),
         ],
         check=True,
     )
     for name in UNNEEDED:
-        shutil.rmtree(STAGING / name, ignore_errors=True)
-    for info in STAGING.glob("*.dist-info"):
+        shutil.rmtree(staging / name, ignore_errors=True)
+    for info in staging.glob("*.dist-info"):
         if info.name.split("-")[0].lower() in {"pip", "setuptools"}:
             shutil.rmtree(info)
     shutil.copytree(
         HERE / "thunderproxy",
-        STAGING / "thunderproxy",
+        staging / "thunderproxy",
         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
     )
-    shutil.copytree(HERE / "migrations", STAGING / "thunderproxy" / "migrations")
-    for cache in STAGING.rglob("__pycache__"):
+    shutil.copytree(HERE / "migrations", staging / "thunderproxy" / "migrations")
+    for cache in staging.rglob("__pycache__"):
         shutil.rmtree(cache, ignore_errors=True)
-    (STAGING / "__main__.py").write_text(BOOTSTRAP.format(build_id=build_id(STAGING)))
-    TARGET.parent.mkdir(exist_ok=True)
-    zipapp.create_archive(STAGING, TARGET, interpreter="/usr/bin/env python3", compressed=True)
-    size_mb = TARGET.stat().st_size / 1e6
-    print(f"built {TARGET.relative_to(HERE)} ({size_mb:.1f} MB)")
+    (staging / "__main__.py").write_text(BOOTSTRAP.format(build_id=build_id(staging)))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        zipapp.create_archive(staging, partial, interpreter="/usr/bin/env python3", compressed=True)
+        os.replace(partial, target)  # a running copy keeps its own (now unlinked) file
+    finally:
+        partial.unlink(missing_ok=True)
+    size_mb = target.stat().st_size / 1e6
+    print(f"built {shown(target)} ({size_mb:.1f} MB)")
 
 
 if __name__ == "__main__":

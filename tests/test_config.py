@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,11 @@ def test_every_setting_has_one_flag_one_env_var_and_a_default_matching_settings(
     defaults = Settings()
     for item in SETTINGS:
         option = options[item.name]
-        assert option.envvar == "THUNDERPROXY_" + item.name.upper()
+        if item.name == "sim":
+            # NAME=VALUE pairs, repeatable; each has its own THUNDERPROXY_SIM_<NAME> variable.
+            assert (option.envvar, option.multiple) == (None, True)
+        else:
+            assert option.envvar == "THUNDERPROXY_" + item.name.upper()
         assert item.flag in option.opts
         assert item.get(defaults) == item.default
     assert set(options) == set(SETTINGS_BY_NAME)
@@ -393,3 +398,91 @@ def test_unknown_settings_from_code_and_bad_backend_flags() -> None:
     with pytest.raises(ConfigError) as caught:
         load_settings(metrics_interval=0.0)
     assert caught.value.message == "--metrics-interval: 0.0 must be > 0 seconds."
+
+
+# --- the embedded simulator's settings ------------------------------------------------------
+
+
+@click.command()
+@settings_options()
+@click.pass_context
+def sim_probe(ctx: click.Context, /, **values: Any) -> None:
+    given, origins = given_values(ctx, values)
+    try:
+        settings = load_settings(given, origins=origins)
+    except ConfigError as exc:
+        raise click.ClickException(exc.message) from None
+    click.echo(" ".join(f"{k}={v}" for k, v in sorted(settings.sim.items())))
+
+
+def sim_run(args: list[str], env: dict[str, str] | None = None) -> str:
+    isolated: dict[str, str | None] = {s.envvar: None for s in SETTINGS}
+    isolated.update({k: None for k in os.environ if k.startswith("THUNDERPROXY_SIM_")})
+    isolated.update(env or {})
+    result = CliRunner().invoke(sim_probe, args, env=isolated, catch_exceptions=False)
+    return result.output.strip()
+
+
+def test_sim_settings_from_flags_variables_and_the_file_one_setting_at_a_time(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, "[sim]\nmax_model_len = 200000\ntime_scale = 0.5\n")
+    assert sim_run([]) == ""
+    assert sim_run(["--config", path]) == "max_model_len=200000 time_scale=0.5"
+    env = {"THUNDERPROXY_SIM_TIME_SCALE": "0.25", "THUNDERPROXY_SIM_PORT": "9000"}
+    # The variables of `thunderproxy sim` (its own PORT is not a simulator setting).
+    assert sim_run([], env) == "time_scale=0.25"
+    assert sim_run(["--config", path], env) == "max_model_len=200000 time_scale=0.25"
+    flags = ["--config", path, "--sim", "time-scale=2", "--sim", "enable_prefix_caching=off"]
+    assert sim_run(flags, env) == "enable_prefix_caching=False max_model_len=200000 time_scale=2.0"
+
+
+def test_sim_settings_errors_name_the_setting_and_what_it_takes(tmp_path: Path) -> None:
+    assert sim_run(["--sim", "max_model_len=lots"]) == (
+        "Error: --sim: max_model_len takes an integer, got 'lots'."
+    )
+    assert sim_run(["--sim", "max_modl_len=5"]) == (
+        "Error: --sim: 'max_modl_len' is not a `thunderproxy sim` setting; did you mean "
+        "'max_model_len'?"
+    )
+    assert sim_run(["--sim", "time_scale"]) == (
+        "Error: --sim 'time_scale': expected NAME=VALUE, e.g. --sim max_model_len=262144."
+    )
+    assert sim_run(["--sim", "time_scale=0"]) == "Error: --sim: time_scale must be > 0, got 0.0."
+    path = write(tmp_path, '[sim]\nmax_model_len = "big"\n')
+    assert sim_run(["--config", path]) == (
+        f"Error: {path}: sim: max_model_len takes an integer, got 'big'."
+    )
+    assert sim_run(["--sim", "time_scale=2", "--backends", "http://a:1"]) == (
+        "Error: --sim (or a [sim] table) sets the simulator that serve starts when no "
+        "--backends are given; remove it, or the backends."
+    )
+    # Variables left in the shell for a `thunderproxy sim` that --backends points at are no error.
+    env = {"THUNDERPROXY_SIM_TIME_SCALE": "2"}
+    assert sim_run(["--backends", "http://a:1"], env) == ""
+
+
+def test_the_embedded_simulator_fits_a_long_agent_context() -> None:
+    from thunderproxy.sim import SimConfig
+    from thunderproxy.sim.config import EMBEDDED
+
+    config = SimConfig(**EMBEDDED)
+    assert config.max_model_len >= 131_072
+    kv = config.resolved_num_gpu_blocks() * config.resolved_block_size()
+    assert kv >= config.max_model_len
+    assert config.cache_report()
+
+
+def test_serve_help_lists_the_common_options_first_then_every_setting_in_one_section() -> None:
+    from thunderproxy.config import HELP_SECTIONS
+
+    named = [name for _, names in HELP_SECTIONS for name in names]
+    assert len(named) == len(set(named))
+    assert set(named) == set(SETTINGS_BY_NAME)
+    text = CliRunner().invoke(cli, ["serve", "--help"], terminal_width=100).output
+    titles = [line[:-1] for line in text.splitlines() if line.endswith(":") and line[0] != " "]
+    assert titles == [title for title, _ in HELP_SECTIONS] + ["Other options"]
+    common = text.split("Common options:", 1)[1].split("\n\n", 1)[0]
+    assert "--backends" in common
+    assert "--sim NAME=VALUE" in common
+    assert "--council-models" not in common

@@ -14,7 +14,14 @@ import click
 import trio
 
 from . import __version__
-from .config import SETTINGS_BY_NAME, Settings, given_values, load_settings, settings_options
+from .config import (
+    SETTINGS_BY_NAME,
+    Settings,
+    SettingsCommand,
+    given_values,
+    load_settings,
+    settings_options,
+)
 from .errors import ThunderproxyError, our_error
 
 #: serve's --db setting, for the commands that open the same audit db.
@@ -67,14 +74,19 @@ def cli() -> None:
     """
 
 
-@cli.command()
+@cli.command(cls=SettingsCommand)
 @settings_options()
 @click.pass_context
 def serve(ctx: click.Context, /, **values: Any) -> None:
     """Run the proxy until SIGINT/SIGTERM/SIGHUP (in-flight requests are drained first).
 
-    Every option can also be set through the environment variable shown next to it, or as a
-    key of the --config file (docs/CONFIG.md); flags beat variables, which beat the file.
+    With no --backends it starts a simulated vLLM of its own (no GPU needed). Agents need only
+    its address: http://HOST:PORT/v1 for OpenAI clients, http://HOST:PORT for Anthropic's
+    (Claude Code: ANTHROPIC_BASE_URL).
+
+    Every option can also be set through the environment variable THUNDERPROXY_<NAME> (e.g.
+    THUNDERPROXY_READ_TIMEOUT for --read-timeout), or as a key of the --config file
+    (docs/CONFIG.md); flags beat variables, which beat the file.
     """
     given, origins = given_values(ctx, values)
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import tomllib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -163,21 +164,26 @@ class PolicyConfig:
     setting with its own flag."""
 
     decode_buffer: int = setting(
-        256, "tr: tokens reserved for decoding per reasoning program (seed DECODE_BUFFER)."
+        256,
+        "tr: tokens reserved for decoding per reasoning program (DECODE_BUFFER in ThunderAgent's "
+        "router).",
     )
     pause_cooldown_s: float = setting(
         5.0 * SECONDS,
-        "tr: seconds between two pause rounds on one backend (seed PAUSE_COOLDOWN).",
+        "tr: seconds between two pause rounds on one backend (PAUSE_COOLDOWN in ThunderAgent's "
+        "router).",
         flag="--pause-cooldown",
     )
     resume_cooldown_s: float = setting(
         5.0 * SECONDS,
-        "tr: seconds between two resume rounds on one backend (seed RESUME_COOLDOWN).",
+        "tr: seconds between two resume rounds on one backend (RESUME_COOLDOWN in ThunderAgent's "
+        "router).",
         flag="--resume-cooldown",
     )
     tool_coefficient: float = setting(
         1.0,
-        "tr: weight of an acting program's tokens in the capacity model (seed TOOL_COEFFICIENT).",
+        "tr: weight of an acting program's tokens in the capacity model (TOOL_COEFFICIENT in "
+        "ThunderAgent's router).",
     )
     acting_half_life_s: float = setting(
         5.0 * SECONDS,
@@ -472,7 +478,7 @@ class Settings:
     unsecured: bool = setting(
         False,
         "Worker mode, local development only: accept requests without the autoscaler's "
-        "signature (the seed's UNSECURED).",
+        "signature (PyWorker's UNSECURED).",
     )
     max_wait_time: float = setting(
         10.0 * SECONDS,
@@ -482,7 +488,7 @@ class Settings:
     parallel: bool = setting(
         True,
         "Worker mode: forward requests concurrently; --no-parallel serves them one at a time, "
-        "in arrival order (the seed's ALLOW_PARALLEL=false).",
+        "in arrival order (PyWorker's ALLOW_PARALLEL=false).",
     )
     benchmark: str = setting(
         "",
@@ -497,7 +503,7 @@ class Settings:
     worker_ready_timeout: float = setting(
         1200.0 * SECONDS,
         "Worker mode: seconds the backend may take to answer /health before the worker reports "
-        "it failed and stays up as a beacon (the seed's 20 min).",
+        "it failed and stays up as a beacon (PyWorker's 20 min).",
     )
     program_tokens: int = setting(
         20_000,
@@ -537,6 +543,15 @@ class Settings:
         "", "TLS certificate (PEM) to serve HTTPS with; needs --keyfile. Empty: plain HTTP."
     )
     keyfile: str = setting("", "TLS private key (PEM) matching --certfile.")
+    sim: Mapping[str, Any] = setting(
+        FrozenMap[str, Any](),
+        "A setting of the simulator started when no --backends are given, as NAME=VALUE "
+        "(repeatable): any `thunderproxy sim` option by its field name, e.g. --sim "
+        "max_model_len=262144 or --sim time_scale=0.5 (`thunderproxy sim --help` lists them; "
+        "docs/SIMULATOR.md). THUNDERPROXY_SIM_<NAME> variables and a [sim] table in the --config "
+        "file set them too.",
+        flag="--sim",
+    )
     # Structured configuration: from a --config file's sections, not from single flags.
     #: Every backend with what the file says about it; ``--backends`` gives URL-only specs.
     backend_specs: tuple[BackendSpec, ...] = ()
@@ -586,6 +601,8 @@ class Settings:
         ]
         values["aliases"] = {name: list(targets) for name, targets in self.aliases.items()}
         values["limits"] = None if self.limits is None else self.limits.public()
+        # The simulator's api_key is a credential like any other.
+        values["sim"] = {k: "<redacted>" if k == "api_key" else v for k, v in self.sim.items()}
         return values
 
 
@@ -887,6 +904,13 @@ def read_config_file(path: str) -> ConfigFile:
 def _from_toml(item: Setting, value: Any, where: Where) -> Any:
     """A TOML value checked against the setting's type (TOML is typed; flags arrive typed)."""
     default = item.default
+    if isinstance(default, Mapping):
+        if not isinstance(value, dict):
+            raise where.error(
+                f"expected a table, got {_type_name(value)}",
+                "write [sim] with lines like max_model_len = 262144",
+            )
+        return sim_overrides(value, str(where.file) + ": sim")
     if isinstance(default, bool):
         ok = isinstance(value, bool)
         expected = "true or false"
@@ -906,6 +930,63 @@ def _from_toml(item: Setting, value: Any, where: Where) -> Any:
             f"see `{item.flag}` in `thunderproxy serve --help`",
         )
     return value
+
+
+# --- the embedded simulator's settings -----------------------------------------------------
+
+#: The prefix of the ``thunderproxy sim`` variables, which ``serve`` reads for its simulator.
+SIM_ENV_PREFIX = ENV_PREFIX + "SIM_"
+
+
+def sim_overrides(value: Any, origin: str) -> FrozenMap[str, Any]:
+    """The embedded simulator's settings, by ``SimConfig`` field name, from ``NAME=VALUE``
+    pairs (flags, variables) or a mapping (a ``[sim]`` table, code); every problem is a
+    ConfigError naming where it came from and what the setting takes."""
+    # Imported here: the simulator's package is large and only this check needs it.
+    from .sim.config import EMBEDDED, SimConfig, knob_value
+
+    pairs: list[tuple[str, Any]] = []
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    else:
+        for pair in (value,) if isinstance(value, str) else value:
+            name, sep, raw = str(pair).partition("=")
+            if not sep:
+                raise ConfigError(
+                    f"{origin} {pair!r}: expected NAME=VALUE, e.g. --sim max_model_len=262144."
+                )
+            pairs.append((name, raw.strip()))
+    known = [f.name for f in dataclasses.fields(SimConfig)]
+    out: dict[str, Any] = {}
+    for name, raw in pairs:
+        key = name.strip().replace("-", "_")
+        if key not in known:
+            raise ConfigError(
+                f"{origin}: {name!r} is not a `thunderproxy sim` setting; {_suggest(key, known)}"
+            )
+        try:
+            out[key] = knob_value(key, raw)
+        except ValueError as exc:
+            raise ConfigError(f"{origin}: {exc}.") from None
+    try:
+        SimConfig(**{**EMBEDDED, **out})
+    except ValueError as exc:
+        raise ConfigError(f"{origin}: {exc}.") from None
+    return FrozenMap(out)
+
+
+def sim_environment(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The ``THUNDERPROXY_SIM_<NAME>`` variables that name simulator settings, as ``NAME=VALUE``
+    pairs (``thunderproxy sim``'s own HOST and PORT are not settings of the simulator)."""
+    from .sim.config import SimConfig
+
+    known = {f.name for f in dataclasses.fields(SimConfig)}
+    pairs = []
+    for variable, value in sorted(environ.items()):
+        name = variable.removeprefix(SIM_ENV_PREFIX).lower()
+        if variable.startswith(SIM_ENV_PREFIX) and name in known:
+            pairs.append(f"{name}={value}")
+    return tuple(pairs)
 
 
 # --- loading --------------------------------------------------------------------------------
@@ -963,10 +1044,16 @@ def load_settings(
     given_origin = {**{s.name: s.flag for s in SETTINGS}, **(origins or {})}
     file = read_config_file(raw["config"]) if raw.get("config") else None
     merged: dict[str, tuple[Any, str]] = {}
+    file_sim = None if file is None else file.settings.get("sim")
     if file is not None:
         for name, value in file.settings.items():
             merged[name] = (value, f"{file.path}: {name}")
     for name, value in raw.items():
+        if name == "sim":
+            # One simulator setting at a time: the file's table, then variables, then flags.
+            value = sim_overrides(value, given_origin[name])
+            if name in merged:
+                value = FrozenMap({**merged[name][0], **value})
         if name in SETTINGS_BY_NAME:
             merged[name] = (value, given_origin[name])
     fields: dict[str, Any] = dict(file.fields) if file is not None else {}
@@ -990,6 +1077,15 @@ def load_settings(
             (name,) = path
             kwargs[name] = dataclasses.replace(getattr(Settings(), name), **group_values)
     settings = Settings(**kwargs, **fields)
+    if settings.sim and settings.backends:
+        if given_origin.get("sim") == SIM_ENV_PREFIX + "*" and file_sim is None:
+            # Variables left in the shell for a `thunderproxy sim` that --backends points at.
+            settings = dataclasses.replace(settings, sim=FrozenMap())
+        else:
+            raise ConfigError(
+                "--sim (or a [sim] table) sets the simulator that serve starts when no "
+                "--backends are given; remove it, or the backends."
+            )
     if file is not None:
         _check_aliases(settings, Where(file.path, "aliases"))
         specs = settings.backend_specs
@@ -1026,6 +1122,13 @@ def given_values(
         given[name] = value
         if source is click.core.ParameterSource.ENVIRONMENT:
             origins[name] = SETTINGS_BY_NAME[name].envvar
+    if "sim" in values:
+        # The simulator's variables are `thunderproxy sim`'s own, one per setting; flags win.
+        from_env = sim_environment(os.environ)
+        if from_env and "sim" not in given:
+            origins["sim"] = SIM_ENV_PREFIX + "*"
+        if from_env:
+            given["sim"] = (*from_env, *given.get("sim", ()))
     return given, origins
 
 
@@ -1037,11 +1140,17 @@ def settings_options(settings: Iterable[Setting] = SETTINGS) -> Callable[[F], F]
             default = item.default
             kwargs: dict[str, Any] = {
                 "help": item.help,
+                # Each reads THUNDERPROXY_<NAME>; the command's help says so once.
                 "envvar": item.envvar,
-                "show_envvar": True,
-                "show_default": not item.secret,
+                # An empty default says nothing worth a line.
+                "show_default": not item.secret and item.default not in ("", ()),
             }
-            if isinstance(default, bool):
+            if isinstance(default, Mapping):
+                # NAME=VALUE pairs, repeatable; their variables are THUNDERPROXY_SIM_<NAME>.
+                kwargs.update(multiple=True, metavar="NAME=VALUE", envvar=None, show_default=False)
+                decls = [item.flag, item.name]
+                default = ()
+            elif isinstance(default, bool):
                 decls = [f"{item.flag}/--no-{item.flag[2:]}", item.name]
             else:
                 decls = [item.flag, item.name]
@@ -1061,6 +1170,65 @@ def settings_options(settings: Iterable[Setting] = SETTINGS) -> Callable[[F], F]
     return decorate
 
 
+#: How ``serve --help`` groups the settings: the common ones first, then one section per area.
+#: A setting no section names is listed under "Other options" (and test_config says so).
+HELP_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Common options", ("backends", "port", "host", "db", "config", "router", "sim", "log_level")),
+    (
+        "Backends",
+        ("metrics", "metrics_interval", "connect_timeout", "first_byte_timeout", "read_timeout",
+         "max_connections", "ready_timeout"),
+    ),
+    (
+        "Programs and scheduling (docs/SCHEDULING.md)",
+        ("recognition", "profile", "restore", "monitor_interval", "decode_buffer",
+         "pause_cooldown", "resume_cooldown", "tool_coefficient", "acting_half_life",
+         "admission_half_life", "max_wait", "mid_program_head_start", "hold",
+         "make_room_at_once", "idle_claims", "return_evidence", "resume_protection",
+         "idle_lease", "target_fill", "max_queue_wait", "gate_returns", "tier_max_load_share",
+         "tier_reload_window"),
+    ),
+    (
+        "Serving, access and the audit log",
+        ("admin_token", "passthrough", "protect_reads", "datasette", "http_front", "certfile",
+         "keyfile", "max_body_bytes", "max_header_bytes", "client_timeout", "shutdown_grace",
+         "audit_queue"),
+    ),
+    ("Several processes or instances (docs/DEPLOY.md)", ("workers", "redis", "redis_heartbeat")),
+    (
+        "LLM council (docs/COUNCIL.md)",
+        ("council_models", "council_chairman", "council_title_model", "council_member_timeout",
+         "council_max_tokens", "council_tools", "council_tool_rounds",
+         "council_tools_allow_private", "council_search_url", "council_search_key",
+         "council_keepalive"),
+    ),
+    (
+        "Serverless worker mode (docs/WORKER.md)",
+        ("report_addr", "unsecured", "max_wait_time", "parallel", "benchmark", "benchmark_cache",
+         "worker_ready_timeout", "program_tokens"),
+    ),
+)  # fmt: skip
+
+
+class SettingsCommand(click.Command):
+    """A command whose ``--help`` lists its options in the sections of ``HELP_SECTIONS``."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records: dict[str, tuple[str, str]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None and param.name is not None:
+                records[param.name] = record
+        for title, names in HELP_SECTIONS:
+            rows = [records.pop(name) for name in names if name in records]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+        if records:
+            with formatter.section("Other options"):
+                formatter.write_dl(list(records.values()))
+
+
 def settings_table() -> str:
     """The README's ``serve`` flags table, generated from the settings table."""
 
@@ -1068,12 +1236,16 @@ def settings_table() -> str:
         value = item.default
         if isinstance(value, bool):
             return "on" if value else "off"
-        if value in ("", ()):
+        if value in ("", ()) or (isinstance(value, Mapping) and not value):
             return "(empty)"
         return f"`{value}`"
 
     rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
     for item in SETTINGS:
-        flag = f"{item.flag}/--no-{item.flag[2:]}" if isinstance(item.default, bool) else item.flag
+        flag = item.flag
+        if isinstance(item.default, bool):
+            flag = f"{item.flag}/--no-{item.flag[2:]}"
+        elif isinstance(item.default, Mapping):
+            flag = f"{item.flag} NAME=VALUE"
         rows.append(f"| `{flag}` | {shown(item)} | {item.help} |")
     return "\n".join(rows) + "\n"

@@ -216,20 +216,25 @@ async def _stop_on_signals(
                 return
 
 
-async def _embedded_simulator(nursery: trio.Nursery, background: Background) -> str:
+async def _embedded_simulator(
+    nursery: trio.Nursery, background: Background, overrides: Mapping[str, Any]
+) -> str:
     from .sim import SimConfig, serve_simulator
+    from .sim.config import EMBEDDED
 
-    # Report cached tokens per request, as vLLM does with --enable-prompt-tokens-details
-    # (the flag a real deployment behind thunderproxy should run with).
-    config = SimConfig(enable_prompt_tokens_details=True)
+    # A workstation card's KV, cached tokens reported (EMBEDDED says why), then --sim's values.
+    config = SimConfig(**{**EMBEDDED, **overrides})
 
     url: str = await nursery.start(
         _in_scope, background, partial(serve_simulator, config, host="127.0.0.1", port=0)
     )
     log.warning(
-        "No --backends given: started an embedded SIMULATED vLLM at %s (no GPU, no model). "
+        "No --backends given: started an embedded SIMULATED vLLM at %s (no GPU, no model; "
+        "context %d tokens, KV %d tokens; --sim NAME=VALUE changes them). "
         "Pass --backends URL to proxy a real server.",
         url,
+        config.max_model_len,
+        config.resolved_num_gpu_blocks() * config.resolved_block_size(),
     )
     return url
 
@@ -290,7 +295,7 @@ async def run(
             for spec in settings.backend_specs:
                 pool.add(spec.url, models=spec.models)
             if not settings.backends:
-                pool.add(await _embedded_simulator(nursery, background))
+                pool.add(await _embedded_simulator(nursery, background, settings.sim))
             run_info = {
                 "version": __version__,
                 "router": settings.router,

@@ -1,7 +1,8 @@
-"""Claude Code itself (the npm package, unmodified) through a real proxy in front of the
-simulator: ``claude -p`` must finish, and its calls must be one program, with its steps in the
-audit db. Behind the ``claude_code`` marker (``pytest -m claude_code``): it installs Node
-packages and runs a large client.
+"""Claude Code itself (the npm package, unmodified) against a plain ``serve``: no backends, so
+the proxy's embedded simulator with its defaults, and nothing set but where to listen and write.
+``claude -p`` must finish, and its calls must be one program, with its steps in the audit db and
+the prefix cache's hits recorded on every step after the first. Behind the ``claude_code`` marker
+(``pytest -m claude_code``): it installs Node packages and runs a large client.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import trio
-
-from thunderproxy.sim import SimConfig, open_simulator
 
 from ..conftest import query, running_proxy
 from ..sim.test_sim_http import MODEL
@@ -52,21 +51,13 @@ async def test_claude_code_print_mode_is_one_program(tmp_path: Path) -> None:
     claude = await trio.to_thread.run_sync(
         lambda: claude_binary(cache / "thunderproxy-tests" / "claude-code")
     )
-    config = SimConfig(
-        time_scale=0.01,
-        # No tool calls: Claude Code would ask permission to run them, which -p cannot give.
-        tool_call_probability=0.0,
-        # Its system prompt and tool schemas alone are some 38 000 tokens.
-        max_model_len=131_072,
-        kv_capacity_tokens=400_000,
-    )
     db = tmp_path / "audit.db"
     home = tmp_path / "home"
     home.mkdir()
-    async with (
-        open_simulator(config) as sim,
-        running_proxy(db, backends=sim.url, shutdown_grace=1.0) as proxy,
-    ):
+    # Its system prompt and tool schemas alone are some 38,000 tokens: the embedded simulator's
+    # context must take them as it is. Tool calls it draws are refused by -p (no one to ask for
+    # permission), and Claude Code goes on with the refusal as the tool's result.
+    async with running_proxy(db, shutdown_grace=1.0) as proxy:
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             # A home of its own: no settings, credentials or history of the machine's user.
@@ -80,16 +71,27 @@ async def test_claude_code_print_mode_is_one_program(tmp_path: Path) -> None:
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "DISABLE_AUTOUPDATER": "1",
         }
-        argv = [str(claude), "-p", "Say hello in one sentence.", "--model", MODEL]
-        with trio.fail_after(120):
-            done = await trio.run_process(
-                argv, env=env, cwd=tmp_path, capture_stdout=True, capture_stderr=True, check=False
-            )
-        output = done.stdout.decode(errors="replace")
-        errors = done.stderr.decode(errors="replace")
-        assert done.returncode == 0, (output[-2000:], errors[-2000:])
-        assert output.strip(), errors[-2000:]
-    rows = query(db, "SELECT program_id, endpoint, status, prompt_tokens FROM steps ORDER BY id")
+        # Two turns of one session: the second (--continue keeps the session's id) makes at
+        # least one more call, whatever the simulator draws for the first.
+        for turn in (["Say hello in one sentence."], ["--continue", "Say it once more."]):
+            argv = [str(claude), "-p", *turn, "--model", MODEL]
+            with trio.fail_after(300):
+                done = await trio.run_process(
+                    argv,
+                    env=env,
+                    cwd=tmp_path,
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                )
+            output = done.stdout.decode(errors="replace")
+            errors = done.stderr.decode(errors="replace")
+            assert done.returncode == 0, (output[-2000:], errors[-2000:])
+            assert output.strip(), errors[-2000:]
+    rows = query(
+        db,
+        "SELECT program_id, endpoint, status, prompt_tokens, cached_tokens FROM steps ORDER BY id",
+    )
     messages = [r for r in rows if r["endpoint"] == "/v1/messages"]
     assert messages, rows
     assert all(r["status"] == 200 for r in messages), messages
@@ -102,3 +104,15 @@ async def test_claude_code_print_mode_is_one_program(tmp_path: Path) -> None:
     )
     assert [s["source"] for s in sources] == ["claude_code"], (program, sources)
     assert program.startswith("claude-code:")
+    # Each call resends the conversation: every one after the first reads its prefix from the
+    # cache, reported in Anthropic's cache_read_input_tokens and recorded as cached tokens.
+    print(
+        "steps (prompt tokens, cached tokens):",
+        [(r["prompt_tokens"], r["cached_tokens"]) for r in messages],
+    )
+    assert messages[0]["cached_tokens"] == 0, messages
+    later = messages[1:]
+    assert later, messages
+    assert all(r["cached_tokens"] > 30_000 for r in later), messages
+    # Its probe of the root at start (HEAD /) is answered, not refused and recorded.
+    assert query(db, "SELECT method, path, status FROM rejections") == []

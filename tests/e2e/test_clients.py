@@ -241,6 +241,9 @@ def litellm_module(cache: Path) -> ModuleType:
     return importlib.import_module("litellm")
 
 
+# Slow: unless LiteLLM is installed, it pip-installs it (and its dependencies) into a cache of its
+# own first, minutes and a network the default suite does without (`pytest -m slow`).
+@pytest.mark.slow
 async def test_litellm_completion_and_acompletion(tmp_path: Path) -> None:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "thunderproxy-tests"
     cache.mkdir(parents=True, exist_ok=True)

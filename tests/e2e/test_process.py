@@ -20,12 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 
 
-@pytest.fixture(scope="session")
-def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    subprocess.run([sys.executable, "zipapp.py"], cwd=ROOT, check=True, capture_output=True)
-    return ROOT / "dist" / "thunderproxy.pyz"
-
-
 async def serve_simulator_task(
     config: SimConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -66,14 +60,16 @@ def openai_calls(base_url: str) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("kind", ["module", "pyz"])
+# The archive's runs are slow: the pyz fixture pip-installs every dependency to build it (some
+# two minutes, and a network); `pytest -m slow` runs them, the module runs cover the rest.
+@pytest.mark.parametrize("kind", ["module", pytest.param("pyz", marks=pytest.mark.slow)])
 async def test_served_process_speaks_to_the_openai_client_and_stops_cleanly_on_sigterm(
     kind: str, request: pytest.FixtureRequest, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     pyz = request.getfixturevalue("pyz") if kind == "pyz" else None
     sim = await nursery.start(serve_simulator_task, SIM)
     db = tmp_path / "audit.db"
-    env = {**os.environ, "THUNDERPROXY_PYZ_CACHE": str(tmp_path / "cache")}
+    env = dict(os.environ)  # the run's own THUNDERPROXY_PYZ_CACHE (conftest.py)
     argv = [*command(kind, pyz), "serve", "--port", "0", "--backends", sim, "--db", str(db)]
     process, url = await spawn_serving(argv, env)
     try:
@@ -105,7 +101,8 @@ async def test_sigterm_drains_a_stream_in_flight(
 
     sim = await nursery.start(serve_simulator_task, SIM)
     db = tmp_path / "audit.db"
-    argv = [*command("module", None), "serve", "--port", "0", "--backends", sim]
+    # No Datasette: its import is most of a start, and the drain does not involve it.
+    argv = [*command("module", None), "serve", "--port", "0", "--backends", sim, "--no-datasette"]
     process, url = await spawn_serving([*argv, "--db", str(db)], dict(os.environ))
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}

@@ -102,6 +102,10 @@ async def test_tr_pauses_and_resumes_under_kv_pressure(tmp_path: Path) -> None:
     later = [s for s in steps if s["step"] > 1]
     running = [s for s in later if s["queue_s"] < 0.01]
     assert running
-    assert hit_rate(running) > 0.7
+    # A running step resends its whole history and adds some 600 tokens, so a kept prefix reads
+    # 0.7 to 0.85 of its prompt from the cache. Which steps run unpaused depends on wall-clock
+    # timing (often 2 to 6 of them), so the bound is wide: more than half, where a prefix
+    # evicted under this pressure reads next to nothing.
+    assert hit_rate(running) > 0.5
     baseline = await replay(tmp_path / "default.db", "default")
     assert hit_rate(later) > hit_rate([s for s in baseline if s["step"] > 1])

@@ -29,12 +29,6 @@ EXPLORING = re.compile(rb"read-only at (http://127\.0\.0\.1:\d+/datasette/)")
 LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 
 
-@pytest.fixture(scope="session")
-def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    subprocess.run([sys.executable, "zipapp.py"], cwd=ROOT, check=True, capture_output=True)
-    return ROOT / "dist" / "thunderproxy.pyz"
-
-
 def command(kind: str, pyz: Path | None) -> list[str]:
     if kind == "module":
         return [sys.executable, "-m", "thunderproxy"]
@@ -44,7 +38,7 @@ def command(kind: str, pyz: Path | None) -> list[str]:
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "THUNDERPROXY_PYZ_CACHE": str(tmp_path.parent / "pyz-cache")}
+    return dict(os.environ)  # the run's own THUNDERPROXY_PYZ_CACHE (conftest.py)
 
 
 async def start(
@@ -80,7 +74,9 @@ async def stopped_after() -> AsyncIterator[list[trio.Process]]:
             assert await process.wait() == 0
 
 
-@pytest.mark.parametrize("kind", ["module", "pyz"])
+@pytest.mark.parametrize(
+    "kind", ["module", pytest.param("pyz", marks=pytest.mark.slow)]
+)  # slow: see test_process
 async def test_explore_serves_the_same_pages_read_only(
     kind: str,
     request: pytest.FixtureRequest,
@@ -148,6 +144,7 @@ def test_explore_names_the_missing_wal_file(history: History, tmp_path: Path) ->
     assert "stop the proxy before copying" in message
 
 
+@pytest.mark.slow  # builds the archive (test_process says why that is slow)
 async def test_serve_from_the_zipapp_mounts_datasette(
     pyz: Path,
     tmp_path: Path,

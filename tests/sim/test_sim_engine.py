@@ -62,7 +62,7 @@ async def test_cache_salt_separates_caches(
 async def test_lru_survival_matches_live_vllm(
     autojump_clock: MockClock, start_engine: Start, small_config: SimConfig
 ) -> None:
-    """The §4 live run: a 608-token prefix survives 3 other prompts, not 6 more."""
+    """A live run on vLLM 0.32: a 608-token prefix survives 3 other prompts, not 6 more."""
     engine = await start_engine(small_config)
     target = token_prompt(0, 608)
     await run(engine, target)
@@ -96,7 +96,7 @@ async def test_touch_moves_prefix_to_mru_end(
 async def test_preemption_under_overload_matches_live_vllm(
     autojump_clock: MockClock, start_engine: Start, small_config: SimConfig
 ) -> None:
-    """Six 608+700 streams in a 100x32 pool. vLLM 0.32 (§4): 6 preemptions, every stream
+    """Six 608+700 streams in a 100x32 pool. vLLM 0.32: 6 preemptions, every stream
     completes, five get their first token at once and one queues until blocks free up."""
     engine = await start_engine(small_config)
     finals: list[StepOutput] = []

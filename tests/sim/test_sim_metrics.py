@@ -11,7 +11,7 @@ from thunderproxy.sim.metrics import ITL_BUCKETS, TTFT_BUCKETS, buckets_1_2_5
 from .helpers import parse_metrics
 
 BASE = {"engine", "model_name"}
-# vllm-contract.md §1.2, as the current (0.12+) compat level must expose them.
+# vLLM's own metric names, as the current (0.12+) compat level must expose them.
 REQUIRED: dict[str, tuple[str, set[str]]] = {
     "vllm:num_requests_running": ("gauge", BASE),
     "vllm:num_requests_waiting": ("gauge", BASE),

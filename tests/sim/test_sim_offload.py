@@ -77,7 +77,7 @@ def test_cpu_tier_evicts_least_recently_used_and_spares_blocks_being_loaded() ->
 
 
 async def first_token_time(config: SimConfig, start_engine: Start) -> tuple[Engine, StepOutput]:
-    """The §4 LRU run: a 608-token prefix, six other prompts evict it from the GPU."""
+    """The LRU run of real vLLM: a 608-token prefix, six other prompts evict it from the GPU."""
     engine = await start_engine(config)
     target = token_prompt(0, 608)
     await run(engine, target)

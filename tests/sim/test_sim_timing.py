@@ -1,4 +1,5 @@
-"""The step-time model: §5's sanity values, and the engine's clock following the formula."""
+"""The step-time model: its sanity values (docs/SIMULATOR.md, "Timing"), and the engine's clock
+following the formula."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_formula_terms() -> None:
 async def test_engine_ttft_and_itl_follow_the_formula(
     autojump_clock: MockClock, start_engine: Start
 ) -> None:
-    """On the MockClock an idle 4K prompt's TTFT is the formula's, within 10% of §5's 113 ms."""
+    """On the MockClock an idle 4K prompt's TTFT is the formula's, within 10% of the
+    documented 113 ms."""
     engine = await start_engine(SimConfig())
     handle = engine.submit(token_prompt(1, 4096), max_tokens=3, ignore_eos=True)
     outputs = [o async for o in handle]

@@ -55,7 +55,7 @@ def _progress_factory(enabled: bool | None) -> Any:
     default=1.0,
     show_default=True,
     type=float,
-    help="Keep a seeded random fraction of the programs (thins open-loop load).",
+    help="Keep a random fraction of the programs, drawn from --seed (thins open-loop load).",
 )
 @click.option("--virtual", is_flag=True,
               help="Virtual time: scheduler and simulator in-process on a mock clock (no "
@@ -104,7 +104,7 @@ def _progress_factory(enabled: bool | None) -> Any:
     default=0,
     show_default=True,
     type=int,
-    help="Seed of imputation, program order, prompts and Poisson arrivals.",
+    help="Random seed of imputation, program order, prompts and Poisson arrivals.",
 )
 @click.option("--arrivals", type=click.Choice(["closed", "poisson", "trace"]), default=None,
               help="closed: --concurrency agents; poisson: --rate programs/s; trace: "

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SETTINGS, Settings, load_settings
+from ..config import SETTINGS, Settings, load_settings, sim_overrides
 from ..errors import ConfigError
 from ..sim import PROFILES, SimConfig
 from .agent import ARRIVALS, Schedule
@@ -110,36 +110,16 @@ BENCH_OWNED_SIM = (
 
 
 def parse_sim_settings(pairs: Sequence[str]) -> dict[str, Any]:
-    """``--sim NAME=VALUE`` pairs into SimConfig overrides (e.g. one timing constant)."""
-    fields = {f.name: f for f in dataclasses.fields(SimConfig)}
-    defaults = SimConfig()
-    out: dict[str, Any] = {}
+    """``--sim NAME=VALUE`` pairs into SimConfig overrides (e.g. one timing constant), read as
+    ``serve --sim`` reads them (``config.sim_overrides``)."""
     for pair in pairs:
-        name, sep, raw = pair.partition("=")
-        name = name.strip().replace("-", "_")
-        if not sep or name not in fields or name in BENCH_OWNED_SIM:
+        name = pair.partition("=")[0].strip().replace("-", "_")
+        if name in BENCH_OWNED_SIM:
             raise ConfigError(
                 f"--sim {pair!r}: expected NAME=VALUE with a `thunderproxy sim` knob other than "
                 f"{', '.join(BENCH_OWNED_SIM)} (the bench sets those)."
             )
-        kind = str(fields[name].type).replace(" | None", "")
-        current = getattr(defaults, name)
-        try:
-            if kind == "bool" or isinstance(current, bool):
-                out[name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif kind == "int":
-                out[name] = int(raw)
-            elif kind == "float":
-                out[name] = float(raw)
-            else:
-                out[name] = raw
-        except ValueError:
-            raise ConfigError(f"--sim {pair!r}: {raw!r} is not a valid {name}.") from None
-    try:
-        SimConfig(**out)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"--sim: {exc}") from None
-    return out
+    return dict(sim_overrides(pairs, "--sim"))
 
 
 def parse_settings(pairs: Sequence[str]) -> dict[str, Any]:

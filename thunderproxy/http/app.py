@@ -556,6 +556,31 @@ def create_app(services: Services) -> ThunderproxyApp:
             raise ProgramUnknown(program_id)
         return jsonify(profile.as_dict())
 
+    @app.route("/", methods=["GET", "HEAD"])
+    async def about() -> Response:
+        """What answers here and where its APIs are: clients probe the root (Claude Code sends
+        ``HEAD /`` at start) and people open it in a browser; neither is a backend's call."""
+        root = request.host_url.rstrip("/")
+        return jsonify(
+            {
+                "name": "thunderproxy",
+                "version": __version__,
+                "description": "a program-aware proxy for agentic LLM inference",
+                "openai_base_url": root + "/v1",
+                "anthropic_base_url": root,
+                "endpoints": [
+                    "/v1/chat/completions",
+                    "/v1/completions",
+                    "/v1/messages",
+                    "/v1/responses",
+                    "/v1/models",
+                    "/health",
+                    "/metrics",
+                    "/programs",
+                ],
+            }
+        )
+
     @app.route("/", methods=ALL_METHODS, defaults={"path": ""})
     @app.route("/<path:path>", methods=ALL_METHODS)
     async def passthrough(path: str) -> Response:

@@ -17,6 +17,7 @@ import httpx
 import trio
 from quart import Blueprint
 
+from ..backends.http import tls_context
 from ..config import Settings
 from ..errors import ConfigError
 from .council import MAX_MEMBERS
@@ -128,9 +129,10 @@ async def serve_council(
         search_key=settings.council.search_key,
     )
     async with (
-        httpx.AsyncClient(timeout=timeout) as calls,
+        httpx.AsyncClient(timeout=timeout, verify=tls_context()) as calls,
         httpx.AsyncClient(
             timeout=httpx.Timeout(tool_settings.timeout_s),
+            verify=tls_context(),
             headers={"user-agent": "thunderproxy-council"},
         ) as fetches,
     ):

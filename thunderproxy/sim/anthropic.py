@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from .app import Handler, Request, SimApp
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+#: Anthropic's id shapes: messages ``msg_...``, tool uses ``toolu_...``.
+MESSAGE_ID = "msg_"
+TOOL_USE_ID = "toolu_"
 _BILLING_HEADER = "x-anthropic-billing-header"  # per-request hash; vLLM drops it for caching
 
 
@@ -230,12 +233,12 @@ async def serve_messages(app: SimApp, request: Request) -> None:
         tools,
         choice,
         after_tool_result=after_tool_result(chat["messages"]),
-        call_id_prefix="chatcmpl-tool-",
+        call_id_prefix=TOOL_USE_ID,
     )
     extra = app.id_headers(request)
 
     async def respond(handle: RequestHandle, rid: str, fault: str | None) -> None:
-        frontend = MessagesFrontend(app, parsed, "chatcmpl-" + rid, plan)
+        frontend = MessagesFrontend(app, parsed, MESSAGE_ID + rid, plan)
         await answer(app, request, handle, frontend, parsed, fault=fault, extra=extra)
 
     try:
@@ -244,11 +247,30 @@ async def serve_messages(app: SimApp, request: Request) -> None:
         raise anthropic_error(error) from None
 
 
+def messages_usage(out: StepOutput, output_tokens: int, *, cache_report: bool) -> dict[str, int]:
+    """Usage as Anthropic reports it: ``input_tokens`` counts only the prompt tokens not read
+    from the cache, so the prompt is input + cache_read + cache_creation. With cached tokens
+    reported (--enable-prompt-tokens-details), the prefix cache's hit is
+    ``cache_read_input_tokens``; automatic prefix caching writes no cache entries a client
+    asked for, so ``cache_creation_input_tokens`` is 0. Without it, the whole prompt is
+    ``input_tokens`` and there are no cache fields, as the cache is not reported."""
+    if not cache_report:
+        return {"input_tokens": out.num_prompt_tokens, "output_tokens": output_tokens}
+    cached = min(out.num_cached_tokens, out.num_prompt_tokens)
+    return {
+        "input_tokens": out.num_prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output_tokens,
+    }
+
+
 class MessagesFrontend(Frontend):
     def __init__(
         self, app: SimApp, parsed: GenerateRequest, message_id: str, plan: ToolCallPlan | None
     ) -> None:
         self.model = app.config.served_model_name
+        self.cache_report = app.config.cache_report()
         self.parsed = parsed
         self.id = message_id
         self.plan = plan
@@ -289,11 +311,13 @@ class MessagesFrontend(Frontend):
             self.started = True
             message: dict[str, Any] = {
                 "id": self.id,
+                "type": "message",
+                "role": "assistant",
                 "content": [],
                 "model": self.model,
                 "stop_reason": None,
                 "stop_sequence": None,
-                "usage": {"input_tokens": out.num_prompt_tokens, "output_tokens": 0},
+                "usage": messages_usage(out, 0, cache_report=self.cache_report),
             }
             frames.append(sse_event("message_start", {"type": "message_start", "message": message}))
         self.text.append(out.text)
@@ -329,7 +353,7 @@ class MessagesFrontend(Frontend):
         assert out.finish_reason is not None
         frames = self._stop_block()
         reason = self._stop_reason("".join(self.text), out.finish_reason)
-        usage = {"input_tokens": out.num_prompt_tokens, "output_tokens": out.num_output_tokens}
+        usage = messages_usage(out, out.num_output_tokens, cache_report=self.cache_report)
         frames.append(
             sse_event(
                 "message_delta",
@@ -378,8 +402,5 @@ class MessagesFrontend(Frontend):
         reason = self._stop_reason(text, last.finish_reason)
         if reason is not None:
             body["stop_reason"] = reason
-        body["usage"] = {
-            "input_tokens": last.num_prompt_tokens,
-            "output_tokens": last.num_output_tokens,
-        }
+        body["usage"] = messages_usage(last, last.num_output_tokens, cache_report=self.cache_report)
         return body

@@ -26,7 +26,8 @@ COMPAT_VERSION_STRING = {
 
 @dataclass(frozen=True)
 class TimingProfile:
-    """Constants of the step-time formula (vllm-contract.md §5) plus the KV size they imply."""
+    """Constants of the step-time formula (docs/SIMULATOR.md, "Timing") plus the KV size they
+    imply."""
 
     name: str
     t_fixed_ms: float
@@ -39,7 +40,7 @@ class TimingProfile:
     block_size: int = 16
     description: str = ""
     # Frontend cost per prompt token (tokenization, template rendering) before a request
-    # reaches the engine; 0 in the §5 profiles, which model the GPU only.
+    # reaches the engine; 0 in the profiles but the fitted one, which model the GPU only.
     c_prep_us: float = 0.0
     # KV bytes one token takes over all layers and TP ranks (2 x layers x KV heads x
     # head dim x dtype bytes); sizes the CPU tier and its transfers.
@@ -119,7 +120,11 @@ class SimConfig:
         "vllm", "Which server to imitate: vllm or sglang.", group="identity", choices=PERSONALITIES
     )
     # engine
-    max_model_len: int = _knob(32_768, "Context length in tokens.", group="engine")
+    max_model_len: int = _knob(
+        131_072,
+        "Context length in tokens (vLLM's default is the model's own: 131072 for Llama-3.1-8B).",
+        group="engine",
+    )
     block_size: int | None = _knob(
         None, "Tokens per KV block (default: the profile's, 16).", group="engine"
     )
@@ -234,7 +239,7 @@ class SimConfig:
         group="timing",
     )
     # text
-    seed: int = _knob(0, "Seed for generated text, lengths and faults.", group="text")
+    seed: int = _knob(0, "Random seed of generated text, lengths and faults.", group="text")
     chars_per_token: int = _knob(4, "Long words split every this many characters.", group="text")
     vocab_size: int = _knob(
         128_256, "Token ids are stable hashes modulo this.", group="text", flag="--vocab"
@@ -246,7 +251,8 @@ class SimConfig:
     )
     tool_call_probability: float = _knob(
         0.5,
-        "Chance (seeded by the prompt) that a reply to a request with tools is a tool call.",
+        "Chance (drawn from the prompt, so a rerun repeats it) that a reply to a request with "
+        "tools is a tool call.",
         group="text",
     )
     tool_call_after_result_probability: float = _knob(
@@ -356,3 +362,53 @@ class SimConfig:
 
     def replace(self, **changes: Any) -> SimConfig:
         return dataclasses.replace(self, **changes)
+
+
+#: What ``serve`` changes from the defaults above in the simulator it starts when no backends
+#: are given: a workstation card rather than an H100. A 48 GB card (L40S, RTX 6000 Ada) serving
+#: Llama-3.1-8B in BF16 at vLLM's --gpu-memory-utilization 0.9 keeps about 45 GiB x 0.9 - 15 GiB
+#: of weights - some 2 GiB of activations = 23.5 GiB for KV, at 128 KiB a token: ~192,000
+#: tokens (an estimate from the card's memory, docs/SIMULATOR.md "Embedded in serve"), room for
+#: one 131,072-token context. Cached tokens are reported, as vLLM does with
+#: --enable-prompt-tokens-details, the flag a deployment behind thunderproxy should run with.
+EMBEDDED: dict[str, Any] = {
+    "kv_capacity_tokens": 192_000,
+    "enable_prompt_tokens_details": True,
+}
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def knob_value(name: str, value: Any) -> Any:
+    """``value`` for the knob ``name``, from text (a flag or an environment variable) or typed
+    (a TOML value); ValueError says what the knob takes. Only the value's type is checked here:
+    ranges and combinations are SimConfig's own checks."""
+    fields = {f.name: f for f in dataclasses.fields(SimConfig)}
+    if name not in fields:
+        raise ValueError(f"{name!r} is not a `thunderproxy sim` setting")
+    kind = str(fields[name].type).replace(" | None", "")
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError(f"{name} takes true or false, got {value!r}")
+    if isinstance(value, bool):
+        raise ValueError(f"{name} takes {'a string' if kind == 'str' else 'a number'}, got {value}")
+    try:
+        if kind == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(value)
+    except ValueError:
+        raise ValueError(f"{name} takes {'an integer' if kind == 'int' else 'a number'}, "
+                         f"got {value!r}") from None  # fmt: skip
+    if not isinstance(value, str):
+        raise ValueError(f"{name} takes a string, got {value!r}")
+    choices = fields[name].metadata.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"{name} is one of {', '.join(choices)}, got {value!r}")
+    return value

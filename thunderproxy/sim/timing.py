@@ -1,4 +1,4 @@
-"""The step-time model of vllm-contract.md §5: one engine step's duration from its batch.
+"""The step-time model (docs/SIMULATOR.md, "Timing"): one engine step's duration from its batch.
 
 t = t_fixed + t_w + c_tok * max(0, N - n0)            GEMMs: weight-read floor, then compute
       + c_kv * sum(context of each decode)            decode attention reads every KV token
