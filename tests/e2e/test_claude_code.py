@@ -18,7 +18,8 @@ import trio
 from ..conftest import query, running_proxy
 from ..sim.test_sim_http import MODEL
 
-pytestmark = pytest.mark.claude_code
+# Both markers: `pytest -m claude_code` runs it alone, `pytest -m clients` with the other clients.
+pytestmark = [pytest.mark.claude_code, pytest.mark.clients]
 
 PACKAGE = "@anthropic-ai/claude-code"
 
