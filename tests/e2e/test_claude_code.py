@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from ..conftest import query, running_proxy
+from ..conftest import apt_install, query, running_proxy
 from ..sim.test_sim_http import MODEL
 
 # Both markers: `pytest -m claude_code` runs it alone, `pytest -m clients` with the other clients.
@@ -28,30 +28,21 @@ def run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def claude_binary(cache: Path) -> Path:
-    """``claude`` from the npm package, installed once into a prefix under ``cache`` (npm from
+@pytest.fixture(scope="session")
+def claude(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``claude`` from the npm package, installed into pytest's temporary folder (npm from
     apt-get when missing). Skips, saying why, if it cannot be installed."""
-    binary = cache / "node_modules" / ".bin" / "claude"
-    if binary.exists():
-        return binary
-    if shutil.which("npm") is None:
-        if shutil.which("apt-get") is None:
-            pytest.skip("npm is missing and there is no apt-get to install it with")
-        done = run(["apt-get", "install", "-y", "-q", "npm"], timeout=600)
-        if done.returncode != 0:
-            pytest.skip(f"npm is missing and apt-get could not install it: {done.stderr[-500:]}")
-    cache.mkdir(parents=True, exist_ok=True)
-    done = run(["npm", "install", "--prefix", str(cache), PACKAGE], timeout=600)
+    if shutil.which("npm") is None and not apt_install("npm"):
+        pytest.skip("npm is missing and apt-get could not install it")
+    prefix = tmp_path_factory.mktemp("claude-code")
+    done = run(["npm", "install", "--prefix", str(prefix), PACKAGE], timeout=600)
+    binary = prefix / "node_modules" / ".bin" / "claude"
     if done.returncode != 0 or not binary.exists():
         pytest.skip(f"npm could not install {PACKAGE}: {done.stderr[-500:]}")
     return binary
 
 
-async def test_claude_code_print_mode_is_one_program(tmp_path: Path) -> None:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    claude = await trio.to_thread.run_sync(
-        lambda: claude_binary(cache / "thunderproxy-tests" / "claude-code")
-    )
+async def test_claude_code_print_mode_is_one_program(tmp_path: Path, claude: Path) -> None:
     db = tmp_path / "audit.db"
     home = tmp_path / "home"
     home.mkdir()

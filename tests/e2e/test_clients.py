@@ -241,13 +241,11 @@ def litellm_module(cache: Path) -> ModuleType:
     return importlib.import_module("litellm")
 
 
-# Slow: unless LiteLLM is installed, it pip-installs it (and its dependencies) into a cache of its
-# own first, minutes and a network the default suite does without (`pytest -m slow`).
+# Slow: unless LiteLLM is installed, it pip-installs it (and its dependencies) into the test's
+# temporary folder first, minutes and a network the default suite does without (`pytest -m slow`).
 @pytest.mark.slow
 async def test_litellm_completion_and_acompletion(tmp_path: Path) -> None:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "thunderproxy-tests"
-    cache.mkdir(parents=True, exist_ok=True)
-    litellm = await in_thread(lambda: litellm_module(cache))
+    litellm = await in_thread(lambda: litellm_module(tmp_path))
     # LiteLLM keeps its connections open: the proxy need not wait long for them at the end.
     async with proxy_on_sim(tmp_path, shutdown_grace=1.0) as setup:
         common: dict[str, Any] = {
