@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from thunderproxy.bench.callcost import body, measure
+from thunderproxy.bench.callcost import body, measure, measure_one_shot
 
 
 @pytest.mark.parametrize("router", ["default", "tr"])
@@ -18,3 +18,11 @@ async def test_per_chunk_mode_relays_through_the_h1_client_and_prices_one_chunk(
     result = await measure("default", programs=2, rounds=3, history=0, per_chunk=True, chunks=8)
     # One more chunk costs something, and far less than a whole call.
     assert 0 < result["cpu_per_chunk_us"] < result["cpu_per_call_us"] / 4
+
+
+@pytest.mark.parametrize("router", ["default", "tr"])
+async def test_one_shot_mode_makes_every_call_a_new_program(router: str) -> None:
+    # measure_one_shot itself checks that the registry holds a program per call.
+    batches = await measure_one_shot(router, before=30, batches=2, batch=10)
+    assert len(batches) == 2
+    assert all(b > 0 for b in batches)

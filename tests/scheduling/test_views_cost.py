@@ -160,3 +160,72 @@ def test_the_bound_is_at_least_the_sum_and_decisions_do_not_change(
                 full.rule,
                 full.program_tokens,
             )
+
+
+# -- first calls beside many programs that ran one call -----------------------------------------
+
+
+def _one_call_programs(registry: ProgramRegistry, count: int, now: float) -> None:
+    """``count`` programs that each ran one call on B0 and ended it at ``now``, as plain SDK
+    traffic without a program id leaves them (every call a new program)."""
+    for k in range(count):
+        program, _ = registry.get_or_create(f"auto-{k}", now)
+        registry.assign(program, B0)
+        registry.begin_step(program, now, context_chars=4_000, arrived_at=now)
+        registry.end_step(program, now, StepUsage(1_000, 30, 900), reason="response complete")
+
+
+async def _views_per_first_call(cfg: PolicyConfig, registered: int) -> tuple[float, list[str]]:
+    """ProgramViews built per new program's call (its lease and its close), with
+    ``registered`` one-call programs on the backend, and the admissions' rules."""
+    async with open_harness(cfg, capacity=16_000_000) as harness:
+        scheduler = harness.scheduler
+        _one_call_programs(scheduler.registry, registered, trio.current_time())
+        await trio.sleep(5)  # idle for a while, within any keep horizon: they still claim
+        harness.records()
+        before = scheduler.source.programs_viewed
+        calls = 20
+        for k in range(calls):
+            lease = await begin(
+                scheduler, f"new-{k}", arrived_at=trio.current_time(), context_chars=4_000
+            )
+            end(scheduler, lease, 200, StepUsage(1_000, 30, 900))
+            await trio.sleep(0.1)
+        built = scheduler.source.programs_viewed - before
+        rules = [rule for action, _, rule in harness.decisions() if action == "admit"]
+        return built / calls, rules
+
+
+async def test_programs_that_ran_one_call_cost_a_newcomer_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Before, every first call summed every program still claiming KV (all of them, within
+    # the keep horizon): 10,000 views per admission, and a tr proxy in front of plain SDK
+    # traffic slowed with every call it had served in the last two minutes.
+    for registered in (0, 10_000):
+        # Nobody came back yet: tr does not hold (few_returns), and decides without the sum.
+        per_call, rules = await _views_per_first_call(PolicyConfig(), registered)
+        assert per_call == 0, (registered, per_call)
+        assert set(rules) == {"few_returns"}, rules
+        # Holding, where the bound from the calls in flight shows that the newcomer fits.
+        per_call, rules = await _views_per_first_call(PolicyConfig(hold="always"), registered)
+        assert per_call == 0, (registered, per_call)
+        assert set(rules) == {"fits"}, rules
+
+
+async def test_a_newcomer_that_the_bound_does_not_show_fitting_is_decided_from_the_sum(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 10,000 programs of 1,000 tokens on a 5M cache: the bound (all of them whole) does not
+    # fit, the decayed claims summed do; the sum decides, and admits.
+    cfg = PolicyConfig(hold="always", idle_claims="decay")
+    async with open_harness(cfg, capacity=5_000_000) as harness:
+        scheduler = harness.scheduler
+        _one_call_programs(scheduler.registry, 10_000, trio.current_time())
+        await trio.sleep(200)
+        harness.records()
+        before = scheduler.source.programs_viewed
+        lease = await begin(scheduler, "new", arrived_at=trio.current_time(), context_chars=4_000)
+        assert scheduler.source.programs_viewed > before
+        assert [r for a, _, r in harness.decisions() if a == "admit"] == ["fits"]
+        end(scheduler, lease, 200, StepUsage(1_000, 30, 900))

@@ -129,7 +129,7 @@ class _Backend:
         )
 
 
-def body(program: int, history: int) -> bytes:
+def body(program: int | None, history: int) -> bytes:
     if history:
         messages = [
             {
@@ -155,8 +155,81 @@ def body(program: int, history: int) -> bytes:
     if tools:
         payload["tools"] = tools
     payload["max_tokens"] = 32
-    payload["extra_body"] = {"program_id": f"callcost-{program}"}
+    if program is not None:
+        payload["extra_body"] = {"program_id": f"callcost-{program}"}
     return json.dumps(payload).encode()
+
+
+async def measure_one_shot(router: str, before: int, batches: int, batch: int) -> list[float]:
+    """CPU per call of one-shot calls without a program id (plain SDK traffic: each call is a
+    new ``auto-...`` program that never calls again), in ``batches`` of ``batch`` calls after
+    ``before`` such calls: whether what a call costs grows with the programs seen."""
+    send, receive = trio.open_memory_channel[AuditRecord](1_000_000)
+    audit = AuditLog(send, run_id=1)
+    async with open_backend_pool() as pool:
+        backend = _Backend(32)
+        node = pool.attach("http://in-process", backend, models=["fast"])
+        node.snapshot = _snapshot()
+        scheduler = Scheduler(
+            policy=policy_named(router, PolicyConfig()),
+            registry=ProgramRegistry(lambda t: audit.record(TransitionRecord(t))),
+            pool=pool,
+            audit=audit,
+        )
+        gateway = Gateway(pool=pool, scheduler=scheduler, audit=audit, profiles=Profiles())
+        edges = Edges(gateway=gateway, recognizer=ProgramRecognizer())
+        raw = body(None, 0)  # the same prompt each time: never a continuation, always new
+
+        async def call() -> None:
+            scope: dict[str, Any] = {}
+            try:
+                reply = await edges.handle(
+                    Protocol.CHAT, CHAT, raw, list(HEADERS), scope, trio.current_time()
+                )
+                assert not isinstance(reply.body, bytes), reply.body
+                async for _ in reply.body:
+                    pass
+                await reply.body.aclose()
+            finally:
+                await run_cleanups(scope)
+
+        def drain() -> None:
+            while True:
+                try:
+                    receive.receive_nowait()
+                except trio.WouldBlock:
+                    return
+
+        for k in range(before):
+            await call()
+            if k % 1_000 == 999:
+                drain()
+        drain()
+        out = []
+        for _ in range(batches):
+            started = time.thread_time()
+            for _ in range(batch):
+                await call()
+            out.append((time.thread_time() - started) / batch)
+            drain()
+        assert len(scheduler.registry) >= before + batches * batch, "calls were not one-shot"
+        return out
+
+
+def _snapshot() -> EngineSnapshot:
+    return EngineSnapshot(
+        flavour="vllm",
+        engines=1,
+        capacity_tokens=16_000_000,
+        block_size=16,
+        num_gpu_blocks=1_000_000,
+        kv_usage=0.0,
+        running=0,
+        waiting=0,
+        prefix_queries_total=0,
+        prefix_hits_total=0,
+        preemptions_total=0.0,
+    )
 
 
 async def measure(
@@ -175,19 +248,7 @@ async def measure(
     async with open_backend_pool() as pool:
         backend = _Backend(chunks, framed=per_chunk)
         node = pool.attach("http://in-process", backend, models=["fast"])
-        node.snapshot = EngineSnapshot(
-            flavour="vllm",
-            engines=1,
-            capacity_tokens=16_000_000,
-            block_size=16,
-            num_gpu_blocks=1_000_000,
-            kv_usage=0.0,
-            running=0,
-            waiting=0,
-            prefix_queries_total=0,
-            prefix_hits_total=0,
-            preemptions_total=0.0,
-        )
+        node.snapshot = _snapshot()
         scheduler = Scheduler(
             policy=policy_named(router, PolicyConfig()),
             registry=ProgramRegistry(lambda t: audit.record(TransitionRecord(t))),
@@ -268,7 +329,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--per-chunk", action="store_true", help="CPU per relayed chunk, through the H1 client"
     )
     parser.add_argument("--chunks", type=int, default=32, help="token chunks of the answer")
+    parser.add_argument(
+        "--one-shot",
+        type=int,
+        metavar="N",
+        help="one-shot calls without a program id: CPU per call in batches after N such calls",
+    )
+    parser.add_argument("--batch", type=int, default=400, help="calls per --one-shot batch")
     args = parser.parse_args(argv)
+    if args.one_shot is not None:
+        batches = trio.run(measure_one_shot, args.router, args.one_shot, args.rounds, args.batch)
+        print(
+            f"{args.router}, one-shot calls after {args.one_shot}: "
+            + ", ".join(f"{1e6 * b:.0f}" for b in batches)
+            + f" us of CPU per call ({args.batch} calls a batch)"
+        )
+        return
     if args.chunks < 2:
         parser.error("--chunks must be at least 2 (one chunk is the per-call baseline)")
     result = trio.run(

@@ -160,6 +160,10 @@ class ProgramRegistry:
         """The programs a request of which waits for a resume."""
         return list(self._waiting.values())
 
+    def waiting_count(self) -> int:
+        """How many programs have a request waiting for a resume."""
+        return len(self._waiting)
+
     def idle_since(self, cutoff: float) -> list[Program]:
         """The programs whose last activity was at or before ``cutoff``, oldest first; walks
         only those (the index is kept in order of last activity)."""

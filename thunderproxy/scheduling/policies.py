@@ -33,12 +33,14 @@ class Views:
         *,
         bound: Callable[[BackendView], int] | None = None,
         paused: Callable[[], bool] | None = None,
+        waiting: Callable[[], int] | None = None,
     ) -> None:
         self._programs = programs
         self._backends = backends
         self._idle = idle
         self._bound = bound
         self._paused = paused
+        self._waiting = waiting
 
     def bound(self, backend: BackendView) -> int | None:
         """At least what ``policy.used_tokens`` counts on ``backend`` over any of
@@ -50,6 +52,12 @@ class Views:
         if self._paused is None:
             return any(p.status is ProgramStatus.PAUSED for p in self.programs)
         return self._paused()
+
+    def waiting(self) -> int:
+        """How many programs have a request waiting for a resume."""
+        if self._waiting is None:
+            return sum(p.waiting_since is not None for p in self.programs)
+        return self._waiting()
 
     def idle(self, seconds: float) -> list[ProgramView]:
         """Programs without activity for ``seconds`` or more (all programs, if not narrowed)."""
@@ -128,9 +136,16 @@ class TrPolicy(DefaultPolicy):
 
     def admit(self, candidate: ProgramView, views: Views, now: float) -> Decision | None:
         assert candidate.backend is not None
-        return policy.admit(
-            candidate, views.backend(candidate.backend), views.programs, self.config, now
+        backend = views.backend(candidate.backend)
+        # Most first calls are decided without the programs' views (policy.admit_without_sum):
+        # what a first call costs is then that of the calls in flight and the waiting ones.
+        bound = views.bound(backend)
+        fast = policy.admit_without_sum(
+            candidate, backend, bound, views.waiting(), self.config, now
         )
+        if fast is not None:
+            return fast
+        return policy.admit(candidate, backend, views.programs, self.config, now)
 
     def on_return(self, program: ProgramView, views: Views, now: float) -> Decision | None:
         if not self.config.gate_returns or program.backend is None:

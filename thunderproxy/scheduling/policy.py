@@ -353,6 +353,40 @@ def admit(
     return _decision(Action.ADMIT, p, "fits", b, cfg, now, used)
 
 
+def admit_without_sum(
+    p: ProgramView, b: BackendView, bound: int | None, waiting: int, cfg: PolicyConfig, now: float
+) -> Decision | None:
+    """``admit``'s decision where it needs no sum of the programs' claims; None where only the
+    sum can tell. Where the capacity is unknown or tr does not hold on ``b`` the newcomer goes
+    out whatever the others claim; where nobody waits (``waiting``: requests waiting for a
+    resume) and ``bound`` (at least what ``admission_used`` counts on ``b``) leaves room for
+    the whole call, it fits. Without it, every first call summed every program still claiming
+    KV: plain SDK traffic, where each call is a new program, paid for every call of the last
+    two minutes on each new one. The decision carries no ``used_tokens``: it was not summed
+    (``detail.used_at_most`` has the bound)."""
+    cap = limit(b, cfg)
+    detail: dict[str, Any] = {}
+    if bound is not None:
+        detail["used_at_most"] = bound
+        # The tier it assumed (tiers.assumed_tier) is known from the bound where the claims
+        # fit the GPU; past it only the sum can tell.
+        if assumed_tier(b.gpu_tokens, b.capacity_factor, bound + p.tokens) == "gpu":
+            detail |= {"tier": "gpu", "gpu_tokens": b.gpu_tokens}
+    if cap is None:
+        return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, None, detail=detail)
+    if not b.hold:
+        detail |= b.hold_inputs
+        return _decision(Action.ADMIT, p, b.unheld_rule, b, cfg, now, None, detail=detail)
+    if waiting or bound is None:
+        return None
+    # need() is at most the call's own tokens: the shared prefix only takes off.
+    if bound + max(0, p.tokens + cfg.decode_buffer) > cap:
+        return None
+    if b.gpu_tokens is not None and "tier" not in detail:
+        return None  # the sum says which tier it reaches
+    return _decision(Action.ADMIT, p, "fits", b, cfg, now, None, detail=detail)
+
+
 def on_return(
     p: ProgramView,
     b: BackendView,

@@ -231,7 +231,14 @@ class ViewSource:
         def idle(seconds: float) -> list[ProgramView]:
             return [self.program_view(p) for p in self.registry.idle_since(now - seconds)]
 
-        return Views(programs, self.backend_views, idle, bound=self.used_bound, paused=self.paused)
+        return Views(
+            programs,
+            self.backend_views,
+            idle,
+            bound=self.used_bound,
+            paused=self.paused,
+            waiting=self.registry.waiting_count,
+        )
 
     def choose(self, program_id: str, current: str | None, route: Route) -> BackendNode:
         """The backend of ``route`` a program goes to: sticky while healthy, else the least
