@@ -1192,7 +1192,7 @@ HELP_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Serving, access and the audit log",
         ("admin_token", "passthrough", "protect_reads", "datasette", "http_front", "certfile",
          "keyfile", "max_body_bytes", "max_header_bytes", "client_timeout", "shutdown_grace",
-         "audit_queue"),
+         "audit_queue", "log_format"),
     ),
     ("Several processes or instances (docs/DEPLOY.md)", ("workers", "redis", "redis_heartbeat")),
     (
@@ -1200,7 +1200,7 @@ HELP_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("council_models", "council_chairman", "council_title_model", "council_member_timeout",
          "council_max_tokens", "council_tools", "council_tool_rounds",
          "council_tools_allow_private", "council_search_url", "council_search_key",
-         "council_keepalive"),
+         "council_keepalive", "council_max_jobs", "council_max_jobs_per_client"),
     ),
     (
         "Serverless worker mode (docs/WORKER.md)",
