@@ -18,13 +18,12 @@ backoff), so only a signal or a fatal startup error stops ``run``.
 from __future__ import annotations
 
 import errno
-import gc
 import logging
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -156,26 +155,6 @@ def hypercorn_config(settings: Settings, listener: socket.socket | None = None) 
         config.certfile = settings.certfile
         config.keyfile = settings.keyfile
     return config
-
-
-@contextmanager
-def startup_heap_frozen() -> Iterator[None]:
-    """Keep what startup built (modules, app, services) out of the garbage collector's reach
-    while the proxy serves.
-
-    A collection of the oldest generation walks every object it holds: beside 16 heavy
-    Datasette pages, one such collection of the proxy's heap (0.25 s) was the longest pause of
-    the relay's loop. What lives for the whole run need not be walked again: ``gc.freeze()``
-    moves it to the permanent generation, after a collection so that no garbage stays there.
-    It is given back at the end, so that a process that runs the proxy more than once (tests)
-    frees each run's objects.
-    """
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 class Background:
@@ -445,22 +424,21 @@ async def run(
 
                 async with mount_datasette(app, settings, services) as served:
                     outer = served if worker is None else WorkerMiddleware(served, worker)
-                    with startup_heap_frozen():
-                        if front:
-                            await serve_front(
-                                outer,  # type: ignore[arg-type]
-                                config,
-                                listener,
-                                shutdown_trigger=stopping,
-                                task_status=task_status,
-                            )
-                        else:
-                            await serve(
-                                outer,  # type: ignore[arg-type]
-                                config,
-                                shutdown_trigger=stopping,  # type: ignore[arg-type]
-                                task_status=task_status,
-                            )
+                    if front:
+                        await serve_front(
+                            outer,  # type: ignore[arg-type]
+                            config,
+                            listener,
+                            shutdown_trigger=stopping,
+                            task_status=task_status,
+                        )
+                    else:
+                        await serve(
+                            outer,  # type: ignore[arg-type]
+                            config,
+                            shutdown_trigger=stopping,  # type: ignore[arg-type]
+                            task_status=task_status,
+                        )
                 # Requests are drained: stop the pollers, then let the writer flush.
                 background.cancel()
                 await council.aclose()
