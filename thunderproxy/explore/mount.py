@@ -38,7 +38,8 @@ log = logging.getLogger("thunderproxy.explore")
 
 #: ``/datasette``: requests for it are redirected to ``/datasette/``.
 PREFIX = MOUNT_PATH.rstrip("/")
-#: How long a child may take to import Datasette and listen before it is killed and retried.
+#: How long a child may take to import and start Datasette and listen before it is killed and
+#: retried.
 START_TIMEOUT_S = 30.0
 #: How long a request waits for the explorer to come up before it is answered 503.
 REQUEST_WAIT_S = 20.0
