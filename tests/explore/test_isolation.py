@@ -164,6 +164,10 @@ async def test_the_explorer_is_restarted_when_it_dies(backend: FakeBackend, tmp_
         httpx.AsyncClient(base_url=p.url, timeout=60) as client,
     ):
         assert (await explorer_status(client))["state"] == "idle"  # nobody asked for it yet
+        # Waiting for its first request is no failure: the proxy is well.
+        body = (await client.get("/health")).json()
+        assert body["components"]["explorer"]["restarts"] == 0
+        assert body["status"] == "ok"
         assert (await client.get("/datasette/")).status_code == 200
         first = await explorer_status(client)
         assert first["state"] == "up"
@@ -175,6 +179,17 @@ async def test_the_explorer_is_restarted_when_it_dies(backend: FakeBackend, tmp_
         assert status["restarts"] == 1
         assert status["last_exit"] == "killed by SIGKILL"
         assert (await client.get("/datasette/audit/steps")).status_code == 200
+        # A supervised component like every other long-lived one: its restarts are counted.
+        component = (await client.get("/health")).json()["components"]["explorer"]
+        assert component["state"] == "running"
+        assert component["restarts"] == 1
+        assert (
+            component["last_error"]
+            == "ExplorerEnded: Datasette's process ended (killed by SIGKILL)"
+        )
+        exposition = (await client.get("/metrics/prometheus")).text
+        assert 'thunderproxy_component_up{component="explorer"} 1.0' in exposition
+        assert 'thunderproxy_component_restarts_total{component="explorer"} 1.0' in exposition
         pid = status["pid"]
     assert isinstance(pid, int)
     assert not alive(pid)  # stopped with the proxy

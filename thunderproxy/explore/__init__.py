@@ -36,13 +36,19 @@ async def mount_datasette(
 ) -> AsyncIterator[ASGIApp]:
     """Yield the ASGI app to serve: ``app`` itself, or with ``--datasette`` an app that relays
     ``/datasette/`` to the explorer's process and everything else to ``app``; that process is
-    supervised for as long as the block lives, its state shown in ``services``' ``/health``."""
+    supervised for as long as the block lives as the component ``explorer`` of ``services``, its
+    state shown in their ``/health`` (``explorer`` and ``components``) and ``/metrics``."""
     if not settings.datasette:
         yield app
         return
     from .mount import open_datasette_mount
 
-    async with open_datasette_mount(app, settings.db, admin_token=settings.admin_token) as mounted:
+    async with open_datasette_mount(
+        app,
+        settings.db,
+        admin_token=settings.admin_token,
+        components=None if services is None else services.components,
+    ) as mounted:
         if services is not None:
             services.explorer = mounted.explorer.status
         yield mounted

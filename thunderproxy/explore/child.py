@@ -3,8 +3,9 @@ loop that relays every stream, and relays ``/datasette/`` to it over a Unix sock
 
     python -m thunderproxy.explore.child --db DB --socket PATH --parent-pid PID
 
-It binds the socket, writes ``ready`` on stdout, and serves Datasette there on uvicorn and plain
-asyncio (it never imports trio-asyncio, like ``explore``). It never outlives the proxy: the
+It serves Datasette on that socket on Hypercorn's trio worker through trio-asyncio (``server.py``),
+the stack the proxy runs on, and writes ``ready`` on stdout once it listens and Datasette has
+started. Only this process imports trio-asyncio. It never outlives the proxy: the
 kernel kills it when the proxy's thread that started it ends (``PR_SET_PDEATHSIG``, Linux), and
 elsewhere it exits once its stdin, a pipe only the proxy holds, reaches end of file. A query
 stuck in one SQLite instruction past the time limit ends the process with ``EXIT_OVERRUN``
@@ -17,9 +18,11 @@ import argparse
 import ctypes
 import os
 import signal
-import socket
 import sys
 import threading
+from functools import partial
+
+import trio
 
 #: The exit status that says a query overran its time limit inside one SQLite instruction.
 EXIT_OVERRUN = 75
@@ -64,32 +67,36 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
 
-    import uvicorn
-
     from .instance import SETTINGS, build_datasette
     from .limits import QueryClock
-    from .standalone import Server, with_root_redirect
+    from .server import hypercorn_config, serve_datasette
+    from .standalone import with_root_redirect
 
     limit_ms: int = args.time_limit_ms or SETTINGS["sql_time_limit_ms"]
     ds = build_datasette(args.db, QueryClock(limit_ms / 1000, overrun), time_limit_ms=limit_ms)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(args.socket)
-    sock.listen(128)
-    config = uvicorn.Config(
-        with_root_redirect(ds.app()),
-        lifespan="on",
-        log_level="warning",
-        access_log=False,
-        loop="asyncio",
-        http="h11",
+    config = hypercorn_config(
+        f"unix:{args.socket}",
         # The relay sends every request on kept-alive connections; keep them past its pauses.
-        timeout_keep_alive=60,
+        keep_alive_s=60.0,
+        # Within the proxy's wait between SIGTERM and SIGKILL (mount.STOP_GRACE_S).
+        graceful_s=2.0,
     )
-    # The socket already listens: connections made from now on wait in its backlog.
-    sys.stdout.write("ready\n")
-    sys.stdout.flush()
-    os.dup2(2, 1)  # nothing else goes to the pipe the proxy read "ready" from
-    Server(config).run(sockets=[sock])
+
+    def ready(_binds: list[str]) -> None:
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+        os.dup2(2, 1)  # nothing else goes to the pipe the proxy read "ready" from
+
+    trio.run(
+        partial(
+            serve_datasette,
+            ds,
+            config,
+            sql_threads=SETTINGS["num_sql_threads"],
+            wrap=with_root_redirect,
+            ready=ready,
+        )
+    )
 
 
 if __name__ == "__main__":

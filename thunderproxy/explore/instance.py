@@ -3,7 +3,7 @@ db under the stable name ``audit``, read-only, with the shipped metadata, canned
 dashboard charts, at ``/datasette/``.
 
 Nothing here picks an event loop or a process: ``child`` (the process ``serve`` relays
-``/datasette/`` to) and ``standalone`` both serve it on uvicorn and plain asyncio.
+``/datasette/`` to) and ``standalone`` both serve it through ``server.py``.
 """
 
 from __future__ import annotations

@@ -105,8 +105,8 @@ class QueryClock:
     ``overrun(seconds)`` is called from the watchdog thread, once per query, when a query is
     still running ``HARD_GRACE_S`` after its limit: it is stuck in one instruction that neither
     the progress handler nor ``interrupt()`` can end, and only ending the process frees its
-    thread and CPU. ``time.monotonic`` is read here, not trio's clock: this runs in SQL threads
-    under asyncio, outside any trio run.
+    thread and CPU. ``time.monotonic`` is read here, not trio's clock: this runs in Datasette's
+    SQL threads and a watchdog thread, outside any trio run.
     """
 
     def __init__(self, limit_s: float, overrun: Callable[[float], None] | None = None) -> None:

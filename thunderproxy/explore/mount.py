@@ -30,6 +30,7 @@ import httpx
 import trio
 
 from ..http.auth import admin_allowed
+from ..supervision import Components, supervised
 from . import MOUNT_PATH, READ_METHODS
 from .child import EXIT_ORPHANED, EXIT_OVERRUN
 
@@ -37,14 +38,14 @@ log = logging.getLogger("thunderproxy.explore")
 
 #: ``/datasette``: requests for it are redirected to ``/datasette/``.
 PREFIX = MOUNT_PATH.rstrip("/")
-#: How long a child may take to import Datasette and listen before it is killed and retried.
+#: How long a child may take to import and start Datasette and listen before it is killed and
+#: retried.
 START_TIMEOUT_S = 30.0
 #: How long a request waits for the explorer to come up before it is answered 503.
 REQUEST_WAIT_S = 20.0
-#: Pause before the first restart; it doubles for each start that did not last ``STABLE_S``.
-BACKOFF_FIRST_S = 0.5
-BACKOFF_MAX_S = 30.0
-STABLE_S = 60.0
+#: The name of the explorer's process among the supervised components (``/health``'s
+#: ``components``, ``thunderproxy_component_up``).
+COMPONENT = "explorer"
 #: How long the relay waits for the explorer's next bytes.
 RELAY_READ_TIMEOUT_S = 600.0
 #: After SIGTERM, how long the child may take to stop before SIGKILL.
@@ -84,8 +85,13 @@ def describe_exit(code: int) -> str:
     return f"exit {code}"
 
 
+class ExplorerEnded(Exception):
+    """The explorer's process ended: the supervisor restarts it."""
+
+
 class ExplorerProcess:
-    """Runs, watches and restarts the explorer's process for one proxy run."""
+    """Runs and watches the explorer's process for one proxy run (restarted as a supervised
+    component: :meth:`serve`)."""
 
     def __init__(self, db_path: str, socket_path: str, *, time_limit_ms: int) -> None:
         self.db_path = db_path
@@ -124,22 +130,19 @@ class ExplorerProcess:
             await self._changed.wait()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """One life of the explorer's process, run as the supervised component ``explorer``: it
+        starts on the first request for it, and its end, never expected while the proxy runs, is
+        raised, so that the supervisor (``supervision.py``) logs it, counts it in ``/health``
+        and ``/metrics``, and starts the next after its backoff."""
         task_status.started()
-        await self._wanted.wait()
-        failures = 0
+        ended = False
         try:
-            while True:
-                started = trio.current_time()
-                await self._run_once()
-                failures = 0 if trio.current_time() - started >= STABLE_S else failures + 1
-                self._set("restarting")
-                delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, failures - 1))
-                log.warning(
-                    "explorer process ended (%s); restarting it in %.1f s", self.last_exit, delay
-                )
-                await trio.sleep(delay)
+            await self._wanted.wait()
+            await self._run_once()
+            ended = True
         finally:
-            self._set("stopped")
+            self._set("restarting" if ended else "stopped")
+        raise ExplorerEnded(f"Datasette's process ended ({self.last_exit})")
 
     def _argv(self) -> list[str]:
         # The same interpreter, and without site-packages if the proxy runs without them (the
@@ -376,10 +379,16 @@ class DatasetteMount:
 
 @asynccontextmanager
 async def open_datasette_mount(
-    app: ASGIApp, db_path: str, *, admin_token: str = "", time_limit_ms: int | None = None
+    app: ASGIApp,
+    db_path: str,
+    *,
+    admin_token: str = "",
+    time_limit_ms: int | None = None,
+    components: Components | None = None,
 ) -> AsyncIterator[DatasetteMount]:
-    """The explorer's process, supervised, and the mount that relays ``/datasette/`` to it in
-    front of ``app``; both stop when the block exits (after the HTTP server has drained)."""
+    """The explorer's process, supervised as the component ``explorer`` of ``components``, and
+    the mount that relays ``/datasette/`` to it in front of ``app``; both stop when the block
+    exits (after the HTTP server has drained)."""
     from .instance import SETTINGS
 
     limit_ms = time_limit_ms or int(SETTINGS["sql_time_limit_ms"])
@@ -397,7 +406,7 @@ async def open_datasette_mount(
             httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits) as client,
             trio.open_nursery() as nursery,
         ):
-            await nursery.start(explorer.serve)
+            await nursery.start(supervised(components or Components(), COMPONENT, explorer.serve))
             try:
                 yield DatasetteMount(app, explorer, client, admin_token=admin_token)
             finally:

@@ -1,5 +1,5 @@
 """``thunderproxy explore DB``: the same Datasette pages as ``serve`` mounts, for a db copied off a
-server, served by uvicorn on plain asyncio.
+server, on Hypercorn's trio worker through trio-asyncio (``server.py``).
 
 ``serve``'s explorer process (``child.py``) runs the same server on a Unix socket.
 """
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from types import FrameType
+from functools import partial
 from typing import Any
 
-import uvicorn
+import trio
 
 from . import MOUNT_PATH, READ_METHODS
-from .instance import build_datasette, check_database
+from .instance import SETTINGS, build_datasette, check_database
+from .server import hypercorn_config, serve_datasette
 
 Scope = dict[str, Any]
 
@@ -47,14 +48,6 @@ def with_root_redirect(app: Any) -> Any:
     return redirecting
 
 
-class Server(uvicorn.Server):
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        # uvicorn raises the signal again once it has stopped gracefully, which ends the
-        # process by that signal; like `serve`, `explore` exits 0 after a clean stop.
-        self._captured_signals.clear()
-
-
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket; port 0 picks a free one (the caller reads it back)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -70,16 +63,20 @@ def serve_standalone(
     sock = bind(host, port)
     shown_host = f"[{host}]" if ":" in host else host
     url = f"http://{shown_host}:{sock.getsockname()[1]}{MOUNT_PATH}"
-    config = uvicorn.Config(
-        with_root_redirect(ds.app()),
-        lifespan="on",
-        log_level="warning",
-        access_log=False,
-        loop="asyncio",
-        http="h11",
+    # Hypercorn takes over the bound socket (a busy port was refused above, as an OSError).
+    config = hypercorn_config(f"fd://{sock.detach()}", keep_alive_s=5.0, graceful_s=3.0)
+
+    def started(_binds: list[str]) -> None:
+        if ready is not None:
+            ready(url)
+
+    trio.run(
+        partial(
+            serve_datasette,
+            ds,
+            config,
+            sql_threads=SETTINGS["num_sql_threads"],
+            wrap=with_root_redirect,
+            ready=started,
+        )
     )
-    server = Server(config)
-    if ready is not None:
-        # The socket already listens: connections made now wait in its backlog.
-        ready(url)
-    server.run(sockets=[sock])
