@@ -30,6 +30,10 @@ PAGES = 3
 #: The bound on /health's latency and on the gap between two chunks of a live stream. A
 #: stream's chunks come every 20 ms; a single heavy page rendered on the loop exceeds it.
 BOUND_S = 0.5
+#: On a machine busy with other work the proxy's own steps stretch too, with no page on its
+#: loop; the bound then grows to this share of the quickest page's time, which a page rendered
+#: on the loop (a stall as long as the page itself) still exceeds by four times.
+SHARE_OF_A_PAGE = 0.25
 #: The issue's query: one LIKE instruction that ran 87 s past a 5 s limit.
 PATHOLOGICAL_LIKE = (
     "select printf('%.*c', 1000000, 'a') like '%' || printf('%.*c', 20000, 'a') || 'b'"
@@ -63,6 +67,7 @@ async def test_heavy_pages_take_no_time_from_health_or_a_live_stream(
         health_s: list[float] = []
         gaps: list[float] = []
         sizes: list[int] = []
+        page_s: list[float] = []
         done = trio.Event()
 
         async def poll_health() -> None:
@@ -92,12 +97,14 @@ async def test_heavy_pages_take_no_time_from_health_or_a_live_stream(
                         return
 
         async def page() -> None:
+            started = trio.current_time()
             async with client.stream("GET", "/datasette/audit", params={"sql": HEAVY_SQL}) as r:
                 assert r.status_code == 200
                 size = 0
                 async for chunk in r.aiter_raw():
                     size += len(chunk)
                 sizes.append(size)
+            page_s.append(trio.current_time() - started)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poll_health)
@@ -110,8 +117,9 @@ async def test_heavy_pages_take_no_time_from_health_or_a_live_stream(
     assert len(sizes) == PAGES
     assert min(sizes) > 10_000_000
     assert len(gaps) > 10
-    assert max(health_s) <= BOUND_S, f"/health took up to {max(health_s):.2f} s"
-    assert max(gaps) <= BOUND_S, f"the stream went {max(gaps):.2f} s without a chunk"
+    bound = max(BOUND_S, SHARE_OF_A_PAGE * min(page_s))
+    assert max(health_s) <= bound, f"/health took up to {max(health_s):.2f} s of {bound:.2f} s"
+    assert max(gaps) <= bound, f"the stream went {max(gaps):.2f} s without a chunk ({bound:.2f} s)"
 
 
 async def test_runaway_queries_stop_near_the_time_limit(
