@@ -40,8 +40,10 @@ def _progress_factory(enabled: bool | None) -> Any:
               envvar="THUNDERPROXY_BENCH_TRACE",
               help="Trace file (ThunderAgent calls .jsonl, Mooncake *_trace.jsonl with its "
               "sessions .csv beside it, or an audit .db to replay), one of the traces shipped "
-              "with the package (thunderagent, mooncake, mooncake-synthetic), or a file name "
-              "in a folder of your own ($THUNDERPROXY_TRACES).")  # fmt: skip
+              "with the package (thunderagent, mooncake, mooncake-synthetic), a workload made "
+              "up from --seed (council: LLM councils; oneshot: single calls naming no "
+              "program), or a file name in a folder of your own "
+              "($THUNDERPROXY_TRACES).")  # fmt: skip
 @click.option("--target", "targets", default="tr", show_default=True,
               help="Comma list of direct, default, tr, oracle, or an OpenAI-compatible proxy "
               "URL already pointed at the bench's backends (see --backend-ports).")  # fmt: skip
@@ -165,6 +167,14 @@ def _progress_factory(enabled: bool | None) -> Any:
     default=None,
     help="Progress bar on stderr (default: when stderr is a terminal).",
 )
+@click.option("--suite", default=None, metavar="NAME",
+              help="Run a fixed matrix of scheduling cells (virtual time) instead: full (every "
+              "cell; long) or ci (a few small cells); prints each target's figures and a "
+              "verdict per cell (docs/BENCHMARKS.md, \"The scheduling suite\"). Other "
+              "workload flags are ignored.")  # fmt: skip
+@click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1),
+              help="--suite: runs at a time, each in its own process.")  # fmt: skip
+@click.option("--markdown", is_flag=True, help="--suite: print the table as Markdown too.")
 @click.option("--overhead", is_flag=True,
               help="Measure proxy overhead instead (a fast trivial backend; --sweep gives "
               "the stream counts, default 1,32,128; --target picks thunderproxy's routers "
@@ -222,6 +232,9 @@ def bench_command(
     db: str,
     audit_run: int | None,
     progress: bool | None,
+    suite: str | None,
+    jobs: int,
+    markdown: bool,
     overhead: bool,
     overhead_seconds: float,
     overhead_rounds: int,
@@ -243,9 +256,13 @@ def bench_command(
       thunderproxy bench --virtual --target tr,offload,tr+offload --kv-tokens 80000
       thunderproxy bench --trace mooncake --virtual --programs 600 --target direct,tr
       thunderproxy bench --target http://127.0.0.1:9000 --backend-ports 8001
+      thunderproxy bench --suite ci --json suite.json
       thunderproxy bench --overhead --target default,tr
       thunderproxy bench --overhead --target default,fastapi,litellm --sweep 1,32,64,128
     """
+    if suite is not None:
+        _suite(suite, jobs, json_path, markdown)
+        return
     try:
         if overhead:
             _overhead(
@@ -333,6 +350,31 @@ def _print_report(report: BenchReport) -> None:
             )
     if report.bench_run_id is not None:
         click.echo(f"\nstored as bench run {report.bench_run_id}")
+
+
+def _suite(name: str, jobs: int, json_path: str | None, markdown: bool) -> None:
+    from . import suite
+    from .harness import code_version
+
+    try:
+        cells = suite.cells_of(name)
+        with ungrouped_errors():
+            results = suite.run_suite(cells, jobs=jobs)
+    except ThunderproxyError as exc:
+        raise click.ClickException(exc.message) from None
+    click.echo(f"\nscheduling suite {name!r} (virtual time; times in simulated seconds)\n")
+    click.echo(suite.text_table(results))
+    click.echo("")
+    click.echo(suite.summary_line(results))
+    if markdown:
+        click.echo("")
+        click.echo(suite.markdown_table(results))
+    if json_path:
+        doc = suite.to_json(name, results, version=code_version())
+        with open(json_path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2, default=str)
+            fh.write("\n")
+        click.echo(f"figures written to {json_path}", err=True)
 
 
 def _overhead(

@@ -54,6 +54,23 @@ def demo_kv_tokens(workload: Workload, concurrency: int) -> int:
     return max(wanted, workload.max_context_tokens + 8_192)
 
 
+def demo_bench_config(config: DemoConfig) -> BenchConfig:
+    """The demo's workload and backend as a bench configuration (KV size included), so that
+    ``thunderproxy bench`` and the scheduling suite replay exactly what the demo does."""
+    bench = BenchConfig(
+        trace="thunderagent",
+        targets=("default", "tr"),
+        concurrency=config.concurrency,
+        programs=config.programs,
+        max_steps=config.max_steps,
+        time_scale=config.time_scale,
+        profile=DEFAULT_PROFILE,
+        seed=config.seed,
+    )
+    workload = workload_for(bench)
+    return dataclasses.replace(bench, kv_tokens=demo_kv_tokens(workload, config.concurrency))
+
+
 @dataclass
 class DemoOutcome:
     url: str
