@@ -14,6 +14,7 @@ from ..errors import ThunderproxyError
 from .agent import ungrouped_errors
 from .config import (
     BenchConfig,
+    DemoConfig,
     parse_int_list,
     parse_settings,
     parse_sim_settings,
@@ -24,6 +25,10 @@ from .workload import Workload
 
 if TYPE_CHECKING:
     from .harness import BenchReport
+
+
+#: The demo's defaults, shown by ``thunderproxy demo --help``.
+DEMO = DemoConfig()
 
 
 def _progress_factory(enabled: bool | None) -> Any:
@@ -414,21 +419,24 @@ def _overhead(
 
 
 @click.command("demo")
-@click.option("--programs", default=12, show_default=True, help="SWE-agent programs to replay.")
-@click.option("--max-steps", default=10, show_default=True, help="Calls per program, at most.")
-@click.option("--concurrency", default=6, show_default=True, help="Agents at a time.")
+@click.option("--programs", default=DEMO.programs, show_default=True,
+              help="SWE-agent programs to replay.")  # fmt: skip
+@click.option("--max-steps", default=DEMO.max_steps, show_default=True,
+              help="Calls per program, at most.")  # fmt: skip
+@click.option("--concurrency", default=DEMO.concurrency, show_default=True,
+              help="Agents at a time.")  # fmt: skip
 @click.option(
     "--time-scale",
-    default=0.1,
+    default=DEMO.time_scale,
     show_default=True,
     type=float,
     help="Wall seconds per simulated second.",
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
+@click.option("--host", default=DEMO.host, show_default=True, help="Interface to listen on.")
 @click.option(
-    "--port", default=8300, show_default=True, type=int, help="Proxy port (0: any free port)."
+    "--port", default=DEMO.port, show_default=True, type=int, help="Proxy port (0: any free port)."
 )
-@click.option("--db", default="thunderproxy-demo.db", show_default=True, help="Audit db.")
+@click.option("--db", default=DEMO.db, show_default=True, help="Audit db.")
 @click.option(
     "--wait/--no-wait",
     default=True,
@@ -451,16 +459,20 @@ def demo_command(
     council: bool,
     question: str | None,
 ) -> None:
-    """A short replay through tr against an embedded simulated vLLM, then a look at it.
+    """The same replay through default and through tr against an embedded simulated vLLM,
+    side by side, then a look at it.
 
-    Starts a simulated vLLM and the proxy (router tr) in this process, replays a few
-    ThunderAgent SWE-agent programs through it on a KV cache about 2x too small, prints the
-    figures and the Datasette address of the audit db, and keeps serving until Ctrl-C.
+    Starts a simulated vLLM and the proxy in this process and replays a few ThunderAgent
+    SWE-agent programs on a KV cache about 2.5x too small for them, first through router
+    default (forwarding only), then, on a fresh simulator with the same seed, through tr.
+    Prints both runs' figures (times in simulated seconds, the replays' own in wall seconds),
+    how tr compares, and the Datasette dashboard of each run, then keeps serving until
+    Ctrl-C (--no-wait: stop at once).
     """
     if council:
         _council_demo(question, time_scale, host, port, db, wait)
         return
-    from .demo import DemoConfig, run_demo
+    from .demo import run_demo
 
     config = DemoConfig(
         programs=programs,
