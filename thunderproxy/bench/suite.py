@@ -263,13 +263,13 @@ def full_cells() -> list[Cell]:
 
 def ci_cells() -> list[Cell]:
     """A few small cells that finish in seconds: the suite's shape, not tr's figures."""
-    small = BenchConfig(virtual=True, programs=6, max_steps=4, concurrency=4, kv_tokens=40_000)
+    small = BenchConfig(virtual=True, programs=6, max_steps=4, concurrency=4, kv_tokens=12_000)
     return [
-        Cell("ci-short", "6 programs x 4 calls, 4 agents, 40K", small, _arms(bound=True)),
+        Cell("ci-short", "6 programs x 4 calls, 4 agents, 12K", small, _arms(bound=True)),
         Cell(
             "ci-cpu",
-            "6 programs x 4 calls, 4 agents, 40K, a CPU tier of 1x the GPU cache",
-            dataclasses.replace(small, offload_tokens=40_000),
+            "6 programs x 4 calls, 4 agents, 12K, a CPU tier of 1x the GPU cache",
+            dataclasses.replace(small, offload_tokens=12_000),
             _arms("tr+offload", baselines=("offload",)),
         ),
         Cell(
