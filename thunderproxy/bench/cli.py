@@ -361,10 +361,22 @@ def _suite(name: str, jobs: int, json_path: str | None, markdown: bool) -> None:
     from . import suite
     from .harness import code_version
 
+    version = code_version()
+
+    def write(results: list[suite.CellResult], complete: bool) -> None:
+        if not json_path:
+            return
+        doc = suite.to_json(name, results, version=version, complete=complete)
+        with open(json_path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2, default=str)
+            fh.write("\n")
+
     try:
         cells = suite.cells_of(name)
         with ungrouped_errors():
-            results = suite.run_suite(cells, jobs=jobs)
+            results = suite.run_suite(
+                cells, jobs=jobs, on_update=lambda so_far: write(so_far, False)
+            )
     except ThunderproxyError as exc:
         raise click.ClickException(exc.message) from None
     click.echo(f"\nscheduling suite {name!r} (virtual time; times in simulated seconds)\n")
@@ -375,10 +387,7 @@ def _suite(name: str, jobs: int, json_path: str | None, markdown: bool) -> None:
         click.echo("")
         click.echo(suite.markdown_table(results))
     if json_path:
-        doc = suite.to_json(name, results, version=code_version())
-        with open(json_path, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=2, default=str)
-            fh.write("\n")
+        write(results, True)
         click.echo(f"figures written to {json_path}", err=True)
 
 

@@ -301,9 +301,9 @@ def _report(outcome: DemoOutcome, config: DemoConfig, echo: Callable[[str], None
     echo("")
     echo(
         f"Times are simulated seconds (the simulated vLLM runs {speed:g}x faster than real "
-        "time) unless marked wall. The audit db and Datasette hold wall seconds: "
-        f"divide by {speed:g} to compare (runs.clock = 'wall', runs.time_scale = "
-        f"{config.time_scale:g})."
+        "time) unless marked wall. The audit db, and so Datasette, holds wall seconds: a "
+        f"time there is 1/{speed:g} of the same time here (runs.clock = 'wall', "
+        f"runs.time_scale = {config.time_scale:g})."
     )
     lag = max(r.result.figures.get("sim_max_lag_s") or 0.0 for r in outcome.runs)
     if lag > 0.5 * config.time_scale:

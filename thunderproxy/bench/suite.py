@@ -153,9 +153,9 @@ def bench_command(config: BenchConfig) -> str:
     return " ".join(parts)
 
 
-#: SWE-agent cells replay the first 48 programs of the trace (about 2,100 calls), so that the
+#: SWE-agent cells replay the first 32 programs of the trace (about 1,400 calls), so that the
 #: whole suite runs in about an hour on two busy cores.
-SWE_PROGRAMS = 48
+SWE_PROGRAMS = 32
 
 
 def _swe(agents: int, kv: int, **more: Any) -> BenchConfig:
@@ -329,8 +329,11 @@ def run_suite(
     *,
     jobs: int = 1,
     log: TextIO | None = None,
+    on_update: Callable[[list[CellResult]], None] | None = None,
 ) -> list[CellResult]:
-    """Every arm of every cell, ``jobs`` at a time (1: in this process); progress on ``log``."""
+    """Every arm of every cell, ``jobs`` at a time (1: in this process); progress on ``log``,
+    and ``on_update`` called with every result so far after each run (a suite cut short
+    still leaves what it measured)."""
     out = log if log is not None else sys.stderr
     results = [CellResult(cell) for cell in cells]
     tasks = [(n, arm) for n, cell in enumerate(cells) for arm in cell.arms]
@@ -351,6 +354,8 @@ def run_suite(
         if verdict_now is not None:
             out.write(f"    {cells[n].name}: {verdict_now.line()}\n")
         out.flush()
+        if on_update is not None:
+            on_update(results)
 
     out.write(f"scheduling suite: {len(cells)} cells, {len(tasks)} runs, {jobs} at a time\n")
     out.flush()
@@ -360,12 +365,12 @@ def run_suite(
             out.flush()
             report(n, arm, *run_arm(cells[n], arm))
         return results
-    # The longest runs first, so that the last ones to finish are short: the number of calls
-    # is what a run's cost grows with.
+    # The shortest runs first (a run's cost grows with its calls), so that a suite stopped
+    # early has measured as many whole cells as it could.
     from .harness import workload_for
 
     calls = [workload_for(cell.config).steps for cell in cells]
-    tasks.sort(key=lambda task: -calls[task[0]])
+    tasks.sort(key=lambda task: calls[task[0]])
     # Fork: the parent runs no trio while workers start, and each worker runs its own.
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
@@ -501,7 +506,9 @@ def summary_line(results: Sequence[CellResult]) -> str:
     )
 
 
-def to_json(name: str, results: Sequence[CellResult], *, version: str) -> dict[str, Any]:
+def to_json(
+    name: str, results: Sequence[CellResult], *, version: str, complete: bool = True
+) -> dict[str, Any]:
     cells = []
     for result in results:
         judged = result.verdict
@@ -520,6 +527,7 @@ def to_json(name: str, results: Sequence[CellResult], *, version: str) -> dict[s
     return {
         "suite": name,
         "version": version,
+        "complete": complete,
         "clock": "virtual",
         "rule": {"min_steps_ratio": MIN_STEPS_RATIO, "max_p99_ratio": MAX_P99_RATIO},
         "cells": cells,
