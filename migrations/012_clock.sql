@@ -8,3 +8,7 @@
 
 ALTER TABLE runs ADD COLUMN clock TEXT NOT NULL DEFAULT 'wall';
 ALTER TABLE runs ADD COLUMN time_scale REAL;
+
+-- A bench result's mean program completion time, beside its steps/min (its median and p99
+-- were there already).
+ALTER TABLE bench_results ADD COLUMN program_time_mean_s REAL;

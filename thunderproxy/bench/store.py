@@ -37,6 +37,7 @@ RESULT_COLUMNS = (
     "step_latency_p99_s",
     "ttft_p50_s",
     "ttft_p99_s",
+    "program_time_mean_s",
     "program_time_p50_s",
     "program_time_p99_s",
     "pause_time_total_s",
