@@ -120,9 +120,15 @@ def test_open_loop_arrivals_scale_with_the_load_asked_for() -> None:
     assert suite.poisson_rate(workload, bigger, 1.0) == pytest.approx(2 * once, rel=1e-3)
 
 
-def test_an_unknown_suite_names_the_known_ones() -> None:
+def test_an_unknown_suite_or_cell_names_the_known_ones() -> None:
     with pytest.raises(ConfigError, match="full, ci"):
         suite.cells_of("nightly")
+    with pytest.raises(ConfigError, match="ci-short, ci-cpu, ci-council"):
+        suite.cells_of("ci", ("ci-short", "ci-long"))
+    assert [c.name for c in suite.cells_of("ci", ("ci-council", "ci-short"))] == [
+        "ci-short",
+        "ci-council",
+    ]
 
 
 def test_the_ci_suite_prints_every_target_and_a_verdict_per_cell(tmp_path: Path) -> None:

@@ -177,6 +177,9 @@ def _progress_factory(enabled: bool | None) -> Any:
               "cell; long) or ci (a few small cells); prints each target's figures and a "
               "verdict per cell (docs/BENCHMARKS.md, \"The scheduling suite\"). Other "
               "workload flags are ignored.")  # fmt: skip
+@click.option("--cells", "suite_cells", default="",
+              help="--suite: only these cells (comma list of names), e.g. to run one "
+              "again.")  # fmt: skip
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1),
               help="--suite: runs at a time, each in its own process.")  # fmt: skip
 @click.option("--markdown", is_flag=True, help="--suite: print the table as Markdown too.")
@@ -238,6 +241,7 @@ def bench_command(
     audit_run: int | None,
     progress: bool | None,
     suite: str | None,
+    suite_cells: str,
     jobs: int,
     markdown: bool,
     overhead: bool,
@@ -266,7 +270,8 @@ def bench_command(
       thunderproxy bench --overhead --target default,fastapi,litellm --sweep 1,32,64,128
     """
     if suite is not None:
-        _suite(suite, jobs, json_path, markdown)
+        only = tuple(c.strip() for c in suite_cells.split(",") if c.strip())
+        _suite(suite, only, jobs, json_path, markdown)
         return
     try:
         if overhead:
@@ -357,7 +362,9 @@ def _print_report(report: BenchReport) -> None:
         click.echo(f"\nstored as bench run {report.bench_run_id}")
 
 
-def _suite(name: str, jobs: int, json_path: str | None, markdown: bool) -> None:
+def _suite(
+    name: str, only: tuple[str, ...], jobs: int, json_path: str | None, markdown: bool
+) -> None:
     from . import suite
     from .harness import code_version
 
@@ -372,7 +379,7 @@ def _suite(name: str, jobs: int, json_path: str | None, markdown: bool) -> None:
             fh.write("\n")
 
     try:
-        cells = suite.cells_of(name)
+        cells = suite.cells_of(name, only)
         with ungrouped_errors():
             results = suite.run_suite(
                 cells, jobs=jobs, on_update=lambda so_far: write(so_far, False)

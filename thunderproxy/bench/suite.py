@@ -284,11 +284,21 @@ def ci_cells() -> list[Cell]:
 SUITES: dict[str, Callable[[], list[Cell]]] = {"full": full_cells, "ci": ci_cells}
 
 
-def cells_of(name: str) -> list[Cell]:
+def cells_of(name: str, only: Sequence[str] = ()) -> list[Cell]:
+    """The cells of suite ``name``; with ``only``, just those cells, in the suite's order."""
     try:
-        return SUITES[name]()
+        cells = SUITES[name]()
     except KeyError:
         raise ConfigError(f"--suite {name!r} is not one of {', '.join(SUITES)}.") from None
+    if not only:
+        return cells
+    unknown = sorted(set(only) - {c.name for c in cells})
+    if unknown:
+        raise ConfigError(
+            f"--cells: suite {name!r} has no cell {', '.join(unknown)}; its cells are "
+            f"{', '.join(c.name for c in cells)}."
+        )
+    return [c for c in cells if c.name in only]
 
 
 # -- running --------------------------------------------------------------------------------
