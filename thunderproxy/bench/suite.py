@@ -153,7 +153,7 @@ def bench_command(config: BenchConfig) -> str:
     return " ".join(parts)
 
 
-#: SWE-agent cells replay the first 32 programs of the trace (about 1,400 calls), so that the
+#: SWE-agent cells replay the first 32 programs of the trace (about 1,440 calls), so that the
 #: whole suite runs in about an hour on two busy cores.
 SWE_PROGRAMS = 32
 
