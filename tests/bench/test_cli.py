@@ -62,9 +62,15 @@ def test_one_target_prints_a_table_and_writes_json_and_db_rows(tmp_path: Path) -
         db, "select target, proxy_run_id, steps_completed from bench_results"
     )
     assert (target, steps) == ("tr", 9)
+    ((mean,),) = rows(db, "select program_time_mean_s from bench_results")
+    assert mean == pytest.approx(doc["program_time_mean_s"])
     assert rows(db, "select count(*) from bench_steps") == [(9,)]
     # The virtual scheduler's audit rows are an ordinary run, readable like a real one.
     assert rows(db, f"select router, backends from runs where id = {run_id}") == [("tr", "virtual")]
+    # Its times are simulated seconds, and the row says so (Datasette shows them as stored).
+    assert rows(db, f"select clock, time_scale from runs where id = {run_id}") == [
+        ("simulated", None)
+    ]
     assert rows(db, f"select count(*) from steps where run_id = {run_id}") == [(9,)]
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from thunderproxy.bench import figures
 from thunderproxy.bench.agent import ProgramLog, RunLog, StepLog
+from thunderproxy.bench.harness import SUMMARY_KEYS
 
 
 def step(program: str, n: int, sent: float, first: float, done: float, **kw: object) -> StepLog:
@@ -51,6 +52,7 @@ def test_figures_are_in_simulated_seconds_and_count_only_successes() -> None:
     assert f["preemptions"] == 3
     assert f["evicted_prefix_tokens"] == 2000 - 1000 - 32
     assert f["program_time_p50_s"] == 40.0
+    assert f["program_time_mean_s"] == 40.0  # only the completed program counts
     assert f["pause_time_total_s"] == 10.0
     assert f["ttft_p50_s"] == 2.0  # 1, 1 and 4 simulated seconds
     assert f["output_tokens_per_s"] == pytest.approx(30 / 60)
@@ -86,3 +88,19 @@ def test_tables_show_every_result_side_by_side() -> None:
     assert "-" in text
     md = figures.markdown(results, ["steps_per_min"])
     assert md.splitlines()[2] == "| `steps_per_min` | 12.3 | - |"
+
+
+def test_mean_program_time_is_reported_beside_the_median() -> None:
+    # Three programs of 10, 20 and 60 simulated seconds: the mean (30) is not the median (20).
+    log = RunLog(time_scale=1.0, started_at=0.0, finished_at=60.0)
+    log.programs = [
+        ProgramLog(name, arrived_at=0.0, started_at=0.0, finished_at=end, completed=True)
+        for name, end in (("a", 10.0), ("b", 20.0), ("c", 60.0))
+    ]
+    log.steps = [
+        step(name, 1, 0.0, 1.0, end) for name, end in (("a", 10.0), ("b", 20.0), ("c", 60.0))
+    ]
+    f = figures.compute(log, {}, pause_time_s=None)
+    assert f["program_time_mean_s"] == pytest.approx(30.0)
+    assert f["program_time_p50_s"] == 20.0
+    assert "program_time_mean_s" in SUMMARY_KEYS

@@ -14,6 +14,7 @@ from ..errors import ThunderproxyError
 from .agent import ungrouped_errors
 from .config import (
     BenchConfig,
+    DemoConfig,
     parse_int_list,
     parse_settings,
     parse_sim_settings,
@@ -24,6 +25,10 @@ from .workload import Workload
 
 if TYPE_CHECKING:
     from .harness import BenchReport
+
+
+#: The demo's defaults, shown by ``thunderproxy demo --help``.
+DEMO = DemoConfig()
 
 
 def _progress_factory(enabled: bool | None) -> Any:
@@ -40,8 +45,10 @@ def _progress_factory(enabled: bool | None) -> Any:
               envvar="THUNDERPROXY_BENCH_TRACE",
               help="Trace file (ThunderAgent calls .jsonl, Mooncake *_trace.jsonl with its "
               "sessions .csv beside it, or an audit .db to replay), one of the traces shipped "
-              "with the package (thunderagent, mooncake, mooncake-synthetic), or a file name "
-              "in a folder of your own ($THUNDERPROXY_TRACES).")  # fmt: skip
+              "with the package (thunderagent, mooncake, mooncake-synthetic), a workload made "
+              "up from --seed (council: LLM councils; oneshot: single calls naming no "
+              "program), or a file name in a folder of your own "
+              "($THUNDERPROXY_TRACES).")  # fmt: skip
 @click.option("--target", "targets", default="tr", show_default=True,
               help="Comma list of direct, default, tr, oracle, or an OpenAI-compatible proxy "
               "URL already pointed at the bench's backends (see --backend-ports).")  # fmt: skip
@@ -165,6 +172,17 @@ def _progress_factory(enabled: bool | None) -> Any:
     default=None,
     help="Progress bar on stderr (default: when stderr is a terminal).",
 )
+@click.option("--suite", default=None, metavar="NAME",
+              help="Run a fixed matrix of scheduling cells (virtual time) instead: full (every "
+              "cell; long) or ci (a few small cells); prints each target's figures and a "
+              "verdict per cell (docs/BENCHMARKS.md, \"The scheduling suite\"). Other "
+              "workload flags are ignored.")  # fmt: skip
+@click.option("--cells", "suite_cells", default="",
+              help="--suite: only these cells (comma list of names), e.g. to run one "
+              "again.")  # fmt: skip
+@click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1),
+              help="--suite: runs at a time, each in its own process.")  # fmt: skip
+@click.option("--markdown", is_flag=True, help="--suite: print the table as Markdown too.")
 @click.option("--overhead", is_flag=True,
               help="Measure proxy overhead instead (a fast trivial backend; --sweep gives "
               "the stream counts, default 1,32,128; --target picks thunderproxy's routers "
@@ -222,6 +240,10 @@ def bench_command(
     db: str,
     audit_run: int | None,
     progress: bool | None,
+    suite: str | None,
+    suite_cells: str,
+    jobs: int,
+    markdown: bool,
     overhead: bool,
     overhead_seconds: float,
     overhead_rounds: int,
@@ -243,9 +265,14 @@ def bench_command(
       thunderproxy bench --virtual --target tr,offload,tr+offload --kv-tokens 80000
       thunderproxy bench --trace mooncake --virtual --programs 600 --target direct,tr
       thunderproxy bench --target http://127.0.0.1:9000 --backend-ports 8001
+      thunderproxy bench --suite ci --json suite.json
       thunderproxy bench --overhead --target default,tr
       thunderproxy bench --overhead --target default,fastapi,litellm --sweep 1,32,64,128
     """
+    if suite is not None:
+        only = tuple(c.strip() for c in suite_cells.split(",") if c.strip())
+        _suite(suite, only, jobs, json_path, markdown)
+        return
     try:
         if overhead:
             _overhead(
@@ -335,6 +362,42 @@ def _print_report(report: BenchReport) -> None:
         click.echo(f"\nstored as bench run {report.bench_run_id}")
 
 
+def _suite(
+    name: str, only: tuple[str, ...], jobs: int, json_path: str | None, markdown: bool
+) -> None:
+    from . import suite
+    from .harness import code_version
+
+    version = code_version()
+
+    def write(results: list[suite.CellResult], complete: bool) -> None:
+        if not json_path:
+            return
+        doc = suite.to_json(name, results, version=version, complete=complete)
+        with open(json_path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2, default=str)
+            fh.write("\n")
+
+    try:
+        cells = suite.cells_of(name, only)
+        with ungrouped_errors():
+            results = suite.run_suite(
+                cells, jobs=jobs, on_update=lambda so_far: write(so_far, False)
+            )
+    except ThunderproxyError as exc:
+        raise click.ClickException(exc.message) from None
+    click.echo(f"\nscheduling suite {name!r} (virtual time; times in simulated seconds)\n")
+    click.echo(suite.text_table(results))
+    click.echo("")
+    click.echo(suite.summary_line(results))
+    if markdown:
+        click.echo("")
+        click.echo(suite.markdown_table(results))
+    if json_path:
+        write(results, True)
+        click.echo(f"figures written to {json_path}", err=True)
+
+
 def _overhead(
     targets: str,
     sweep: str,
@@ -372,21 +435,24 @@ def _overhead(
 
 
 @click.command("demo")
-@click.option("--programs", default=12, show_default=True, help="SWE-agent programs to replay.")
-@click.option("--max-steps", default=10, show_default=True, help="Calls per program, at most.")
-@click.option("--concurrency", default=6, show_default=True, help="Agents at a time.")
+@click.option("--programs", default=DEMO.programs, show_default=True,
+              help="SWE-agent programs to replay.")  # fmt: skip
+@click.option("--max-steps", default=DEMO.max_steps, show_default=True,
+              help="Calls per program, at most.")  # fmt: skip
+@click.option("--concurrency", default=DEMO.concurrency, show_default=True,
+              help="Agents at a time.")  # fmt: skip
 @click.option(
     "--time-scale",
-    default=0.1,
+    default=DEMO.time_scale,
     show_default=True,
     type=float,
     help="Wall seconds per simulated second.",
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
+@click.option("--host", default=DEMO.host, show_default=True, help="Interface to listen on.")
 @click.option(
-    "--port", default=8300, show_default=True, type=int, help="Proxy port (0: any free port)."
+    "--port", default=DEMO.port, show_default=True, type=int, help="Proxy port (0: any free port)."
 )
-@click.option("--db", default="thunderproxy-demo.db", show_default=True, help="Audit db.")
+@click.option("--db", default=DEMO.db, show_default=True, help="Audit db.")
 @click.option(
     "--wait/--no-wait",
     default=True,
@@ -409,16 +475,20 @@ def demo_command(
     council: bool,
     question: str | None,
 ) -> None:
-    """A short replay through tr against an embedded simulated vLLM, then a look at it.
+    """The same replay through default and through tr against an embedded simulated vLLM,
+    side by side, then a look at it.
 
-    Starts a simulated vLLM and the proxy (router tr) in this process, replays a few
-    ThunderAgent SWE-agent programs through it on a KV cache about 2x too small, prints the
-    figures and the Datasette address of the audit db, and keeps serving until Ctrl-C.
+    Starts a simulated vLLM and the proxy in this process and replays a few ThunderAgent
+    SWE-agent programs on a KV cache about 2.5x too small for them, first through router
+    default (forwarding only), then, on a fresh simulator with the same seed, through tr.
+    Prints both runs' figures (times in simulated seconds, the replays' own in wall seconds),
+    how tr compares, and the Datasette dashboard of each run, then keeps serving until
+    Ctrl-C (--no-wait: stop at once).
     """
     if council:
         _council_demo(question, time_scale, host, port, db, wait)
         return
-    from .demo import DemoConfig, run_demo
+    from .demo import run_demo
 
     config = DemoConfig(
         programs=programs,

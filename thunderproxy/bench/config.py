@@ -298,3 +298,19 @@ class BenchConfig:
         out["proxy_settings"] = dict(self.proxy_settings)
         out["sim_settings"] = dict(self.sim_settings)
         return out
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """``thunderproxy demo``: the programs it replays, the simulator's speed, where it serves."""
+
+    programs: int = 8
+    max_steps: int = 30
+    concurrency: int = 8
+    time_scale: float = 0.04
+    host: str = "127.0.0.1"
+    port: int = 8300
+    db: str = "thunderproxy-demo.db"
+    seed: int = 0
+    #: Keep serving after the replay, until Ctrl-C (False: stop at once, for scripts and tests).
+    wait: bool = True

@@ -27,6 +27,7 @@ from .workload import Workload
 #: The figures the summary table and the docs show (``--json`` has every figure).
 SUMMARY_KEYS = (
     "steps_per_min",
+    "program_time_mean_s",
     "steps_per_min_busy",
     "programs_completed",
     "output_tokens_per_s",

@@ -32,7 +32,7 @@ import trio
 
 from ..config import SETTINGS, Settings
 from ..sim import SimConfig
-from . import figures
+from . import figures, store
 from .agent import Agents, BenchError, Progress, sticky_round_robin
 from .config import PROXY_ROUTERS, BenchConfig
 from .transport import HttpTransport
@@ -335,6 +335,8 @@ class Session:
         pauses: int | None = None
         if router is not None:
             run_id, pause, pauses = proxy_run_figures(self.db, before, router)
+            if run_id is not None:
+                store.mark_clock(self.db, run_id, time_scale=scale)
         elif target in ("direct", "oracle"):
             pause = 0.0
         totals = figures.sum_truth(states)

@@ -37,6 +37,7 @@ RESULT_COLUMNS = (
     "step_latency_p99_s",
     "ttft_p50_s",
     "ttft_p99_s",
+    "program_time_mean_s",
     "program_time_p50_s",
     "program_time_p99_s",
     "pause_time_total_s",
@@ -97,8 +98,8 @@ def _insert_audit_run(
     origin = time.time() - (result.log.finished_at - result.log.started_at)
     settings = {**result.proxy_settings, "virtual": True}
     cursor = conn.execute(
-        "INSERT INTO runs (started_at, stopped_at, version, router, backends, settings)"
-        " VALUES (?, ?, ?, ?, ?, ?)",
+        "INSERT INTO runs (started_at, stopped_at, version, router, backends, settings, clock)"
+        " VALUES (?, ?, ?, ?, ?, ?, 'simulated')",
         (
             origin,
             origin + result.log.finished_at,
@@ -121,6 +122,20 @@ def _insert_audit_run(
             values,
         )
     return run_id
+
+
+def mark_clock(db: str, run_id: int, *, time_scale: float) -> None:
+    """Record on a real-time run's ``runs`` row that its backends were simulated at
+    ``time_scale`` wall seconds per simulated second (migration 014): its times in the db are
+    wall seconds, the bench's and the demo's printed figures simulated ones."""
+    conn = open_database(db)
+    try:
+        with conn:
+            conn.execute(
+                "UPDATE runs SET clock = 'wall', time_scale = ? WHERE id = ?", (time_scale, run_id)
+            )
+    finally:
+        conn.close()
 
 
 def save_result(db: str, bench_run_id: int, result: TargetResult) -> int:

@@ -21,6 +21,7 @@ from ..traces import (
     resolve,
 )
 from . import workload
+from .synthetic import SYNTHETIC, synthetic
 from .workload import Workload
 
 __all__ = ["DEFAULT_TRACE", "SHORT_NAMES", "load_workload", "read_audit_steps", "resolve"]
@@ -60,6 +61,8 @@ def load_workload(
 
 
 def _load(trace: str, *, seed: int, run_id: int | None) -> Workload:
+    if trace in SYNTHETIC:
+        return synthetic(trace, seed=seed)
     path = resolve(trace)
     if path.suffix in (".db", ".sqlite", ".sqlite3"):
         return workload.from_audit_steps(read_audit_steps(path, run_id), name=path.stem)
