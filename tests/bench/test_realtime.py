@@ -19,7 +19,6 @@ from tests.bench.synthetic import write_thunderagent
 from tests.conftest import apt_install
 from thunderproxy.bench import overhead
 from thunderproxy.bench.config import BenchConfig
-from thunderproxy.bench.demo import DemoConfig, run_demo
 from thunderproxy.bench.harness import run_bench
 
 pytestmark = pytest.mark.slow
@@ -90,52 +89,6 @@ def test_an_external_proxy_pointed_at_the_bench_backends(tmp_path: Path) -> None
     ).fetchone()
     conn.close()
     assert released == (3,)  # the bench released every program at its end
-
-
-async def test_the_demo_replays_through_default_and_tr_and_says_where_to_look(
-    tmp_path: Path,
-) -> None:
-    lines: list[str] = []
-    config = DemoConfig(
-        programs=3, max_steps=3, concurrency=2, time_scale=0.05, port=0,
-        db=str(tmp_path / "demo.db"), wait=False,
-    )  # fmt: skip
-    with trio.fail_after(120):
-        outcome = await run_demo(config, echo=lines.append, progress=False)
-    assert outcome.datasette_url == outcome.url + "/datasette/"
-    assert any(outcome.datasette_url in line for line in lines)
-    assert [run.router for run in outcome.runs] == ["default", "tr"]
-    for run in outcome.runs:
-        assert run.result.figures["programs_completed"] == 3
-        assert run.result.figures["program_time_mean_s"] > 0
-        assert outcome.dashboard(run.router) in "\n".join(lines)
-    assert outcome.result is outcome.run("tr").result
-    # Both runs side by side, every time labelled with its clock, and the comparison line.
-    text = "\n".join(lines)
-    printed = text.splitlines()
-    header = next(n for n, line in enumerate(printed) if line.split() == ["default", "tr"])
-    table = printed[header + 1 : header + 11]
-    for row in table:
-        if "(s)" in row or " s)" in row or "time" in row or "waited" in row:
-            assert "(simulated s)" in row or "(wall s)" in row, row
-    figures = {r: outcome.run(r).result.figures for r in ("default", "tr")}
-    ratio = figures["tr"]["steps_per_min"] / figures["default"]["steps_per_min"]
-    assert (
-        f"tr vs default: {ratio:.2f}x steps/min, p99 program time "
-        f"{figures['tr']['program_time_p99_s']:,.0f} s vs "
-        f"{figures['default']['program_time_p99_s']:,.0f} s"
-    ) in text
-    conn = sqlite3.connect(tmp_path / "demo.db")
-    runs = conn.execute("select id, router, clock, time_scale from runs order by id").fetchall()
-    steps = conn.execute("select run_id, count(*) from steps group by run_id order by run_id")
-    assert steps.fetchall() == [(runs[0][0], 9), (runs[1][0], 9)]
-    conn.close()
-    # The db says which clock the run's times are on, as the printout does.
-    assert [(router, clock, scale) for _, router, clock, scale in runs] == [
-        ("default", "wall", 0.05),
-        ("tr", "wall", 0.05),
-    ]
-    assert [r.run_id for r in outcome.runs] == [row[0] for row in runs]
 
 
 async def test_overhead_cells_measure_latency_and_proxy_cpu() -> None:

@@ -446,7 +446,8 @@ def _overhead(
     default=DEMO.time_scale,
     show_default=True,
     type=float,
-    help="Wall seconds per simulated second.",
+    help="Wall seconds per simulated second of the simulator served afterwards (and of "
+    "--council); the comparison runs in virtual time.",
 )
 @click.option("--host", default=DEMO.host, show_default=True, help="Interface to listen on.")
 @click.option(
@@ -475,20 +476,21 @@ def demo_command(
     council: bool,
     question: str | None,
 ) -> None:
-    """The same replay through default and through tr against an embedded simulated vLLM,
-    side by side, then a look at it.
+    """The same replay through default and through tr against a simulated vLLM, side by side,
+    then a look at it.
 
-    Starts a simulated vLLM and the proxy in this process and replays a few ThunderAgent
-    SWE-agent programs on a KV cache about 2.5x too small for them, first through router
-    default (forwarding only), then, on a fresh simulator with the same seed, through tr.
-    Prints both runs' figures (times in simulated seconds, the replays' own in wall seconds),
-    how tr compares, and the Datasette dashboard of each run, then keeps serving until
-    Ctrl-C (--no-wait: stop at once).
+    Replays a few ThunderAgent SWE-agent programs on a KV cache about 2.5x too small for
+    them, first through router default (forwarding only), then, on a fresh simulator with the
+    same random seed, through tr, both in virtual time (the proxy's gateway and scheduler in
+    this process, the simulator on a mock clock: the same figures on every run, in seconds).
+    Prints both runs' figures (in simulated seconds), how tr compares, and the Datasette
+    dashboard of each run, then serves the audit db through a tr proxy until Ctrl-C
+    (--no-wait: stop at once).
     """
     if council:
         _council_demo(question, time_scale, host, port, db, wait)
         return
-    from .demo import run_demo
+    from .demo import compare, serve_demo
 
     config = DemoConfig(
         programs=programs,
@@ -501,8 +503,9 @@ def demo_command(
         wait=wait,
     )
     try:
+        runs = compare(config, echo=click.echo)
         with ungrouped_errors():
-            trio.run(lambda: run_demo(config, echo=click.echo))
+            trio.run(lambda: serve_demo(config, runs, echo=click.echo))
     except ThunderproxyError as exc:
         raise click.ClickException(exc.message) from None
     except KeyboardInterrupt:

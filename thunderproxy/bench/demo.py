@@ -1,43 +1,35 @@
-"""``thunderproxy demo``: the same replay through ``default`` and then ``tr`` against an
-embedded simulator, side by side.
+"""``thunderproxy demo``: the same replay through ``default`` and then ``tr`` against a
+simulated vLLM, side by side, then a proxy serving its history.
 
-One process holds everything: a simulated vLLM (faster than real time), the proxy itself
-(``runtime.run``, audit db and Datasette included) and a handful of ThunderAgent SWE-agent
-programs replayed through it on a KV cache far too small for them: the regime ``tr`` is for.
-The programs are replayed twice, each time on a fresh simulator with the same seed: first
-through ``default`` (a proxy that only forwards), then through ``tr``. It prints both runs'
-figures, labelled with their clock, how ``tr`` compares, and where to look at each run, then
-keeps serving (``tr``) until Ctrl-C so the audit db can be explored at ``<proxy
-url>/datasette/``.
+A handful of ThunderAgent SWE-agent programs are replayed on a KV cache far too small for them,
+the regime ``tr`` is for: first through ``default`` (a proxy that only forwards), then, on a
+fresh simulator with the same random seed, through ``tr``. Both replays run in virtual time:
+the real gateway, scheduler and audit log in this process, the simulated vLLM's engine on trio's
+mock clock, exactly as ``thunderproxy bench --virtual`` runs them. So the comparison is the same
+on every run and on any machine, busy or not, and takes seconds, not the hour the programs
+would take. Each replay's audit rows go into the audit db as a run of their own, in simulated
+seconds (``runs.clock = 'simulated'``), so the printout and Datasette agree.
 
-Times are simulated seconds unless labelled wall: the simulator runs ``1 / time_scale`` times
-faster than real time, and the audit db (and so Datasette) holds wall seconds, its ``runs`` rows
-saying so (``clock``, ``time_scale``).
+Then a ``tr`` proxy with an embedded simulator serves that db, with Datasette, until Ctrl-C: the
+dashboard link printed for each run opens it on that run's window.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import urllib.parse
+import sqlite3
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
-import httpx
 import trio
 
-from ..clock import WallClock
 from ..config import load_settings
-from ..runtime import RunningProxy, open_demo
-from . import figures, store
-from .agent import Agents
+from ..explore.links import dashboard_url
+from ..runtime import open_demo
 from .config import DEFAULT_PROFILE, TIME_SETTINGS, BenchConfig, DemoConfig
-from .harness import workload_for
+from .harness import run_bench, workload_for
 from .progress import ProgressBar
-from .realtime import proxy_run_figures
-from .transport import HttpTransport
 from .virtual import TargetResult
 from .workload import Workload
 
@@ -45,19 +37,17 @@ from .workload import Workload
 #: the regime tr is for (on this workload ``bench --virtual`` has tr ahead of default on both
 #: steps/min and p99 program time; at 2x on 12 programs of 10 calls it was behind on both).
 OVERSUBSCRIPTION = 2.5
-#: The routers the demo compares, in the order it runs them; the last keeps serving.
+#: The routers the demo compares, in the order it runs them.
 ROUTERS = ("default", "tr")
 
 __all__ = [
     "DemoConfig",
     "DemoOutcome",
     "RouterRun",
-    "dashboard_url",
+    "compare",
     "demo_bench_config",
-    "run_demo",
+    "serve_demo",
 ]
-#: Rows of a time series the dashboard link asks for over one run's window.
-DASHBOARD_BUCKETS = 40
 
 
 def demo_kv_tokens(workload: Workload, concurrency: int) -> int:
@@ -84,36 +74,27 @@ def demo_bench_config(config: DemoConfig) -> BenchConfig:
     return dataclasses.replace(bench, kv_tokens=demo_kv_tokens(workload, config.concurrency))
 
 
-def dashboard_url(datasette: str, since: float, until: float) -> str:
-    """The scheduling dashboard over ``since``..``until`` (Unix seconds), with a bucket that
-    gives about :data:`DASHBOARD_BUCKETS` points over the window (the dashboard's filters take
-    the canned queries' parameters: docs/EXPLORE.md)."""
-    start, end = math.floor(since), math.ceil(until)
-    bucket = max(1, round((end - start) / DASHBOARD_BUCKETS))
-    query = urllib.parse.urlencode({"since": start, "until": end, "bucket": bucket})
-    return f"{datasette.rstrip('/')}/-/dashboards/scheduling?{query}"
-
-
 @dataclass
 class RouterRun:
-    """One router's replay: its figures (simulated seconds), its audit run and wall window."""
+    """One router's replay: its figures (simulated seconds) and its run in the audit db."""
 
     router: str
     result: TargetResult
     run_id: int
-    #: Unix seconds (wall) of the replay's start and end.
+    #: The run's window in the audit db (Unix seconds; its span is the replay's simulated one).
     since: float
     until: float
 
     @property
     def wall_s(self) -> float:
-        return self.until - self.since
+        """How long the replay took this machine (it ran faster than real time)."""
+        return self.result.wall_s or 0.0
 
 
 @dataclass
 class DemoOutcome:
-    url: str
-    datasette_url: str
+    url: str = ""
+    datasette_url: str = ""
     runs: list[RouterRun] = field(default_factory=list)
 
     @property
@@ -126,7 +107,7 @@ class DemoOutcome:
 
     def dashboard(self, router: str) -> str:
         run = self.run(router)
-        return dashboard_url(self.datasette_url, run.since, run.until)
+        return dashboard_url(self.datasette_url, run.run_id, run.since, run.until)
 
 
 #: The demo's table: label (with its unit and clock), how to read it from a run, its format.
@@ -192,138 +173,98 @@ def comparison(runs: list[RouterRun]) -> str:
     )
 
 
-async def run_demo(
-    config: DemoConfig,
-    *,
-    echo: Callable[[str], None] = print,
-    progress: bool | None = None,
-    task_status: trio.TaskStatus[DemoOutcome] = trio.TASK_STATUS_IGNORED,
-) -> DemoOutcome:
-    bench = demo_bench_config(config)
+def compare(
+    config: DemoConfig, *, echo: Callable[[str], None] = print, progress: bool | None = None
+) -> list[RouterRun]:
+    """Replay the demo's programs through each router in virtual time, each into the audit db
+    as a run of its own. Runs trio loops of its own: call it outside any trio run."""
+    bench = dataclasses.replace(demo_bench_config(config), virtual=True)
     workload = workload_for(bench)
     kv = bench.kv_tokens
     assert kv is not None
-    speed = 1 / config.time_scale
     echo(
         f"thunderproxy demo: {len(workload.programs)} SWE-agent programs of up to "
         f"{config.max_steps} calls, {config.concurrency} at a time, against a simulated vLLM "
-        f"with {kv:,} KV tokens (about {OVERSUBSCRIPTION:g}x oversubscribed) running "
-        f"{speed:g}x faster than real time; the same replay through default, then tr"
+        f"with {kv:,} KV tokens (about {OVERSUBSCRIPTION:g}x oversubscribed); the same replay "
+        "through default, then tr, in virtual time (the proxy's gateway and scheduler in this "
+        "process, the simulator on a mock clock: the same figures on every run)"
     )
-    outcome = DemoOutcome(url="", datasette_url="")
-    clock = WallClock()
-    for router in ROUTERS:
-        last = router == ROUTERS[-1]
-        values = _proxy_values(config, router)
-        sim_config = bench.sim_config(workload, router, time_scale=config.time_scale)
-        async with open_demo(sim_config, values, wait=config.wait and last, echo=echo) as (
-            proxy,
-            sim_url,
-        ):
-            outcome.url = proxy.url
-            outcome.datasette_url = proxy.url.rstrip("/") + "/datasette/"
-            echo(f"{router}: replaying through {proxy.url} ...")
-            since = clock.unix(trio.current_time())
-            result = await _replay(config, bench, workload, router, proxy, sim_url, progress)
-            until = clock.unix(trio.current_time())
-            run_id = proxy.audit.run_id
-            await trio.to_thread.run_sync(
-                partial(store.mark_clock, config.db, run_id, time_scale=config.time_scale)
-            )
-            outcome.runs.append(RouterRun(router, result, run_id, since, until))
-            if last:
-                _report(outcome, config, echo)
-                task_status.started(outcome)
+
+    def bar(target: str, shown: Workload) -> ProgressBar:
+        return ProgressBar(
+            target, programs=len(shown.programs), steps=shown.steps, enabled=progress
+        )
+
+    report = run_bench(bench, db=config.db, progress=bar, workload=workload)
+    runs = []
+    for result in report.results:
+        assert result.proxy_run_id is not None
+        since, until = _window(config.db, result.proxy_run_id)
+        runs.append(RouterRun(result.target, result, result.proxy_run_id, since, until))
+    return runs
+
+
+async def serve_demo(
+    config: DemoConfig,
+    runs: list[RouterRun],
+    *,
+    echo: Callable[[str], None] = print,
+    task_status: trio.TaskStatus[DemoOutcome] = trio.TASK_STATUS_IGNORED,
+) -> DemoOutcome:
+    """Print the comparison, then serve the audit db (a ``tr`` proxy in front of an embedded
+    simulator, Datasette included) until Ctrl-C, or not at all without ``config.wait``."""
+    bench = demo_bench_config(config)
+    workload = workload_for(bench)
+    sim_config = bench.sim_config(workload, "tr", time_scale=config.time_scale)
+    outcome = DemoOutcome(runs=list(runs))
+    async with open_demo(sim_config, _proxy_values(config), wait=config.wait, echo=echo) as (
+        proxy,
+        _sim_url,
+    ):
+        outcome.url = proxy.url
+        outcome.datasette_url = proxy.url.rstrip("/") + "/datasette/"
+        _report(outcome, config, echo)
+        task_status.started(outcome)
     return outcome
 
 
-def _proxy_values(config: DemoConfig, router: str) -> Mapping[str, Any]:
+def _window(db: str, run_id: int) -> tuple[float, float]:
+    conn = sqlite3.connect(db)
+    try:
+        row = conn.execute("SELECT started_at, stopped_at FROM runs WHERE id = ?", (run_id,))
+        since, until = row.fetchone()
+    finally:
+        conn.close()
+    return float(since), float(until)
+
+
+def _proxy_values(config: DemoConfig) -> Mapping[str, Any]:
     base = load_settings()
     # The proxy's own seconds shrink with the simulator's, so that its cooldowns and bounds
-    # stay what they are in simulated seconds.
+    # stay what they are in simulated seconds for traffic sent to it while it serves.
     scaled = {name: base.value(name) * config.time_scale for name in TIME_SETTINGS}
     return {
         **scaled,
         "host": config.host,
         "port": config.port,
-        "router": router,
+        "router": "tr",
         "db": config.db,
         "restore": False,
     }
 
 
-async def _replay(
-    config: DemoConfig,
-    bench: BenchConfig,
-    workload: Workload,
-    router: str,
-    proxy: RunningProxy,
-    sim_url: str,
-    progress: bool | None,
-) -> TargetResult:
-    bar = ProgressBar(
-        router, programs=len(workload.programs), steps=workload.steps, enabled=progress
-    )
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
-        transport = HttpTransport(
-            client, base_for=lambda _p: proxy.url, model=bench.model, proxy_url=proxy.url
-        )
-        agents = Agents(
-            workload,
-            transport,
-            bench.schedule(workload),
-            time_scale=config.time_scale,
-            progress=bar,
-        )
-        log = await agents.run()
-        states = [(await client.get(sim_url + "/_sim/state")).json()]
-    bar.close(log)
-    _run, pause, pauses = await _proxy_figures(proxy, config.db, router)
-    totals = figures.sum_truth(states)
-    return TargetResult(
-        target=router,
-        concurrency=config.concurrency,
-        kv_tokens=bench.kv_tokens or 0,
-        figures=figures.compute(log, totals, pause_time_s=pause, pauses=pauses),
-        log=log,
-        truth=totals,
-        clock="real",
-        proxy_run_id=proxy.audit.run_id,
-    )
-
-
 def _report(outcome: DemoOutcome, config: DemoConfig, echo: Callable[[str], None]) -> None:
-    speed = 1 / config.time_scale
     echo("")
     echo(side_by_side(outcome.runs))
     echo("")
     echo(comparison(outcome.runs))
     echo("")
     echo(
-        f"Times are simulated seconds (the simulated vLLM runs {speed:g}x faster than real "
-        "time) unless marked wall. The audit db, and so Datasette, holds wall seconds: a "
-        f"time there is 1/{speed:g} of the same time here (runs.clock = 'wall', "
-        f"runs.time_scale = {config.time_scale:g})."
+        "Times are simulated seconds unless marked wall. The audit db holds the two replays in "
+        "simulated seconds too (runs.clock = 'simulated'), so Datasette shows what this table "
+        "shows."
     )
-    lag = max(r.result.figures.get("sim_max_lag_s") or 0.0 for r in outcome.runs)
-    if lag > 0.5 * config.time_scale:
-        echo(
-            f"warning: the simulator fell {lag:.2f} wall s behind its clock (a busy machine): "
-            "its latencies are less trustworthy than its counts"
-        )
     echo(f"audit db: {config.db} (every transition, step and scheduling decision)")
     echo(f"explore it: {outcome.datasette_url}")
     for run in outcome.runs:
         echo(f"  {run.router} (run {run.run_id}) on the dashboard: {outcome.dashboard(run.router)}")
-
-
-async def _proxy_figures(
-    proxy: RunningProxy, db: str, router: str
-) -> tuple[int | None, float | None, int | None]:
-    """The run's pause figures, read from the audit db once the writer has caught up."""
-    audit = proxy.audit
-    with trio.move_on_after(10):
-        # The writer signals nothing when it has caught up; poll its counters briefly.
-        while audit.statistics().queued or audit.written + audit.dropped < audit.accepted:  # noqa: ASYNC110
-            await trio.sleep(0.05)
-    return await trio.to_thread.run_sync(proxy_run_figures, db, audit.run_id - 1, router)
