@@ -111,6 +111,10 @@ def build(target: Path, staging: Path) -> None:
             "install",
             "--quiet",
             "--disable-pip-version-check",
+            # The target folder is all the archive holds: conflicts with packages installed
+            # elsewhere on this machine, and pip's warning about root, do not concern it.
+            "--no-warn-conflicts",
+            "--root-user-action=ignore",
             "--no-compile",
             "--target",
             str(staging),
