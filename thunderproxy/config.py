@@ -25,6 +25,7 @@ from .admission.spec import LimitsSpec, check_served, parse_limits
 from .errors import ConfigError
 from .http.guard import DEFAULT_PASSTHROUGH, parse_prefixes
 from .urls import redact_url
+from .where import Where
 
 ENV_PREFIX = "THUNDERPROXY_"
 SECONDS = 1.0
@@ -662,24 +663,6 @@ STRUCTURED = ("backend_specs", "aliases", "limits")
 
 
 # --- config-file sections -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Where:
-    """Where in a config file a value sits, for error messages: ``file: backends[1].url``."""
-
-    file: str
-    key: str
-
-    def at(self, index: int) -> Where:
-        return Where(self.file, f"{self.key}[{index}]")
-
-    def dot(self, name: str) -> Where:
-        return Where(self.file, f"{self.key}.{name}")
-
-    def error(self, problem: str, remedy: str) -> ConfigError:
-        end = "" if remedy.endswith("?") else "."
-        return ConfigError(f"{self.file}: {self.key}: {problem}; {remedy}{end}")
 
 
 #: Parses one top-level section of a config file into Settings field values.

@@ -53,7 +53,7 @@ from .jobs import open_council, serve_council
 from .jobs.gateway_client import GatewayChatClient
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
-from .programs.recognition import ProgramRecognizer, RecognitionConfig
+from .protocols.recognition import ProgramRecognizer, RecognitionConfig
 from .scheduling import Scheduler, policy_named
 from .scheduling.scheduler import serve_resume_monitor
 from .statistics import Counters

@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # config imports this module; at run time only the duck-typed Where is used
-    from ..config import Where
+from ..where import Where
 
 #: The limit names of one model, as written in the file.
 LIMIT_KEYS = ("rpm", "tpm", "rpd", "tpd", "concurrent")

@@ -34,8 +34,8 @@ from ..errors import (
 from ..gateway import Gateway
 from ..programs import Program, ProgramStatus
 from ..programs.profile import Profiles
-from ..programs.recognition import ProgramRecognizer
 from ..protocols import Protocol
+from ..protocols.recognition import ProgramRecognizer
 from ..scheduling import Scheduler
 from ..snapshot import Statistics
 from ..statistics import Counters

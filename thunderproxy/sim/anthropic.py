@@ -14,12 +14,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .engine import RequestHandle, StepOutput
-from .protocol import APIError, GenerateRequest, parse_generate, validation_error
+from .errors import APIError, validation_error
+from .protocol import GenerateRequest, parse_generate
 from .serving import ENGINE_DEAD, Frontend, answer, plan_reply, sse_event
 from .tools import ToolCallPlan, Tracker, after_tool_result, chat_tool_choice, chat_tools
 
 if TYPE_CHECKING:
-    from .app import Handler, Request, SimApp
+    from .asgi import Face, Handler, Request
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 #: Anthropic's id shapes: messages ``msg_...``, tool uses ``toolu_...``.
@@ -28,7 +29,7 @@ TOOL_USE_ID = "toolu_"
 _BILLING_HEADER = "x-anthropic-billing-header"  # per-request hash; vLLM drops it for caching
 
 
-def anthropic_routes(app: SimApp) -> dict[str, dict[str, Handler]]:
+def anthropic_routes(app: Face) -> dict[str, dict[str, Handler]]:
     async def messages(request: Request) -> None:
         await serve_messages(app, request)
 
@@ -206,8 +207,8 @@ def _convert_blocks(
 
 
 # --- the routes -----------------------------------------------------------------------------
-async def serve_count_tokens(app: SimApp, request: Request) -> None:
-    from .app import respond_json
+async def serve_count_tokens(app: Face, request: Request) -> None:
+    from .asgi import respond_json
 
     chat = to_chat_body(await request.json(), count_only=True)
     try:
@@ -219,7 +220,7 @@ async def serve_count_tokens(app: SimApp, request: Request) -> None:
     await respond_json(request.send, 200, body)
 
 
-async def serve_messages(app: SimApp, request: Request) -> None:
+async def serve_messages(app: Face, request: Request) -> None:
     chat = to_chat_body(await request.json())
     try:
         parsed = parse_generate(chat, chat=True, config=app.config, tokenizer=app.engine.tokenizer)
@@ -267,7 +268,7 @@ def messages_usage(out: StepOutput, output_tokens: int, *, cache_report: bool) -
 
 class MessagesFrontend(Frontend):
     def __init__(
-        self, app: SimApp, parsed: GenerateRequest, message_id: str, plan: ToolCallPlan | None
+        self, app: Face, parsed: GenerateRequest, message_id: str, plan: ToolCallPlan | None
     ) -> None:
         self.model = app.config.served_model_name
         self.cache_report = app.config.cache_report()

@@ -8,89 +8,38 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qs
 
 import trio
 
 from . import exposition
 from .anthropic import anthropic_routes
+from .asgi import (
+    BUSY,
+    ENGINE_DEAD,
+    SSE,
+    Disconnected,
+    Handler,
+    Receive,
+    Request,
+    Scope,
+    Send,
+    respond,
+    respond_json,
+)
 from .chat_tools import serve_chat_with_tools
 from .config import SimConfig
 from .control import dev_mode_routes, sim_routes
 from .council import council_script
 from .engine import Engine, EngineDeadError, QueueFullError, RequestHandle
-from .protocol import APIError, GenerateRequest, error_body, parse_generate, validation_error
+from .errors import APIError, error_body, validation_error
+from .protocol import GenerateRequest, parse_generate
 from .responses import ResponseBuilder, dumps, models_body
 from .responses_api import responses_routes
 from .sglang import sglang_routes
 from .tools import chat_tools, template_messages
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-JSON = [(b"content-type", b"application/json")]
-SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
-ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
-BUSY = "The engine is currently busy, please retry later."
-
-
-class Disconnected(Exception):
-    pass
-
-
-@dataclasses.dataclass
-class Request:
-    scope: Scope
-    receive: Receive
-    send: Send
-    headers: dict[str, str]
-
-    @property
-    def query(self) -> dict[str, list[str]]:
-        return parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
-
-    async def body(self) -> bytes:
-        chunks = []
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                raise Disconnected
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                return b"".join(chunks)
-
-    async def json(self) -> Any:
-        raw = await self.body()
-        if not raw.strip():
-            return {}
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise validation_error(
-                "json_invalid", "body.0", "JSON decode error", {}, {"error": exc.msg}
-            ) from None
-        except ValueError:  # undecodable bytes
-            raise validation_error("json_invalid", "body.0", "JSON decode error", {}) from None
-
-
-Handler = Callable[[Request], Awaitable[None]]
-
-
-async def respond(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers or []})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def respond_json(send: Send, status: int, value: Any, extra: list[Any] | None = None) -> None:
-    await respond(send, status, dumps(value).encode(), JSON + (extra or []))
 
 
 def program_of(request_id: str | None, cache_salt: str | None) -> str | None:

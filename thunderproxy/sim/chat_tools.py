@@ -12,18 +12,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .engine import RequestHandle, StepOutput
-from .protocol import GenerateRequest, error_body, parse_generate
+from .errors import error_body
+from .protocol import GenerateRequest, parse_generate
 from .responses import ResponseBuilder, dumps
 from .serving import Frontend, answer, plan_reply
 from .tools import ToolCallPlan, Tracker, after_tool_result, chat_tool_choice, chat_tools
 
 if TYPE_CHECKING:
-    from .app import Request, SimApp
+    from .asgi import Face, Request
 
 CHAT_TOOL_ID = "chatcmpl-tool-"
 
 
-async def serve_chat_with_tools(app: SimApp, request: Request, body: dict[str, Any]) -> None:
+async def serve_chat_with_tools(app: Face, request: Request, body: dict[str, Any]) -> None:
     cfg = app.config
     parsed = parse_generate(body, chat=True, config=cfg, tokenizer=app.engine.tokenizer)
     tools = chat_tools(body)
@@ -70,7 +71,7 @@ def chat_finish_reason(plan: ToolCallPlan, called: bool, engine_reason: str) -> 
 
 class ChatToolFrontend(Frontend):
     def __init__(
-        self, app: SimApp, parsed: GenerateRequest, builder: ResponseBuilder, plan: ToolCallPlan
+        self, app: Face, parsed: GenerateRequest, builder: ResponseBuilder, plan: ToolCallPlan
     ) -> None:
         self.app = app
         self.parsed = parsed

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 from . import truth
 from .config import SimConfig
-from .protocol import APIError, validation_error
+from .errors import APIError, validation_error
 
 if TYPE_CHECKING:
-    from .app import Handler, Request, SimApp
+    from .asgi import Face, Handler, Request
 
 # Fields of SimConfig that shape the pool, scheduler or tokenizer: changing one rebuilds
 # the engine (and forgets its cache); the others apply to the next step or request.
@@ -25,8 +25,8 @@ STRUCTURAL = {
 }  # fmt: skip
 
 
-def dev_mode_routes(app: SimApp) -> dict[str, dict[str, Handler]]:
-    from .app import respond, respond_json
+def dev_mode_routes(app: Face) -> dict[str, dict[str, Handler]]:
+    from .asgi import respond, respond_json
 
     engine = app.engine
 
@@ -53,8 +53,8 @@ def dev_mode_routes(app: SimApp) -> dict[str, dict[str, Handler]]:
     }
 
 
-def sim_routes(app: SimApp) -> dict[str, dict[str, Handler]]:
-    from .app import respond_json
+def sim_routes(app: Face) -> dict[str, dict[str, Handler]]:
+    from .asgi import respond_json
 
     engine = app.engine
     ok = {"success": True}
@@ -94,7 +94,7 @@ def sim_routes(app: SimApp) -> dict[str, dict[str, Handler]]:
     }
 
 
-def apply_config(app: SimApp, changes: object) -> None:
+def apply_config(app: Face, changes: object) -> None:
     if not isinstance(changes, dict):
         raise validation_error("dict_type", "body", "Input should be a valid dictionary", changes)
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(SimConfig)})

@@ -11,62 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import SimConfig
+from .errors import APIError, bad_request, validation_error
 from .tokenizer import Tokenizer
-
-
-class APIError(Exception):
-    """An error response: HTTP status plus the message/type/param vLLM would report."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        # A whole error body in another API's shape (Anthropic's), sent instead of OpenAI's.
-        self.shape: dict[str, Any] | None = None
-
-
-def error_body(error: APIError, config: SimConfig) -> dict[str, Any]:
-    """Nested from vLLM 0.10 on, flat before (and in SGLang)."""
-    if error.shape is not None:
-        return error.shape
-    if config.personality == "sglang" or config.compat in ("0.8", "0.9"):
-        return {
-            "object": "error",
-            "message": error.message,
-            "type": error.type,
-            "param": error.param,
-            "code": error.status,
-        }
-    return {
-        "error": {
-            "message": error.message,
-            "type": error.type,
-            "param": error.param,
-            "code": error.status,
-        }
-    }
-
-
-def validation_error(
-    kind: str, loc: str, msg: str, value: Any, ctx: dict[str, str] | None = None
-) -> APIError:
-    if isinstance(value, dict):
-        shown = f"'<dict of {len(value)} items>'"
-    elif isinstance(value, list):
-        shown = f"'<list of {len(value)} items>'"
-    else:
-        shown = repr(value)
-    detail = f"'type': '{kind}', 'loc': '{loc}', 'msg': '{msg}', 'input': {shown}"
-    if ctx:
-        detail += f", 'ctx': {ctx!r}"
-    text = f"1 validation error:\n  {{{detail}}}"
-    return APIError(400, text, "Bad Request", loc)
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, "BadRequestError", param)
 
 
 @dataclass
@@ -176,7 +122,7 @@ def _chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
         raise bad_request(
             "Cannot apply chat template to an empty conversation. Provide at least one message."
         )
-    from .tools import chat_tools, template_messages  # tools.py imports this module
+    from .tools import chat_tools, template_messages
 
     rendered = template_messages(messages, chat_tools(body))
     return tokenizer.encode_chat(rendered, add_generation_prompt=True)

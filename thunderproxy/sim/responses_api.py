@@ -15,12 +15,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .engine import RequestHandle, StepOutput
-from .protocol import APIError, GenerateRequest, bad_request, parse_generate, validation_error
+from .errors import APIError, bad_request, validation_error
+from .protocol import GenerateRequest, parse_generate
 from .serving import Frontend, answer, plan_reply, sse_event
 from .tools import ToolCallPlan, ToolSpec, Tracker
 
 if TYPE_CHECKING:
-    from .app import Handler, Request, SimApp
+    from .asgi import Face, Handler, Request
 
 
 class ResponseStore:
@@ -45,14 +46,14 @@ def not_found(response_id: str) -> APIError:
     )
 
 
-def responses_routes(app: SimApp) -> dict[str, dict[str, Handler]]:
+def responses_routes(app: Face) -> dict[str, dict[str, Handler]]:
     store = ResponseStore()
 
     async def create(request: Request) -> None:
         await serve_responses(app, request, store)
 
     async def retrieve(request: Request) -> None:
-        from .app import respond_json
+        from .asgi import respond_json
 
         response_id = request.scope["path"].rsplit("/", 1)[-1]
         found = store.get(response_id)
@@ -155,7 +156,7 @@ def input_messages(
 
 
 # --- the route --------------------------------------------------------------------------------
-async def serve_responses(app: SimApp, request: Request, store: ResponseStore) -> None:
+async def serve_responses(app: Face, request: Request, store: ResponseStore) -> None:
     body = await request.json()
     if not isinstance(body, dict):
         raise validation_error("dict_type", "body", "Input should be a valid dictionary", body)
@@ -229,7 +230,7 @@ def _hex(seed: str, n: int = 32) -> str:
 class ResponsesFrontend(Frontend):
     def __init__(
         self,
-        app: SimApp,
+        app: Face,
         body: dict[str, Any],
         parsed: GenerateRequest,
         rid: str,

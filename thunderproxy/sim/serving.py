@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from .engine import RequestHandle, StepOutput
-from .protocol import APIError, GenerateRequest
+from .errors import APIError
+from .protocol import GenerateRequest
 from .responses import dumps
 from .tokenizer import TextGenerator
 from .tools import ToolCallPlan, ToolSpec, plan_tool_call, prompt_digest
 
 if TYPE_CHECKING:
-    from .app import Request, SimApp
+    from .asgi import Face, Request
 
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -32,7 +33,7 @@ def sse_event(kind: str, data: Any) -> str:
 
 
 def plan_reply(
-    app: SimApp,
+    app: Face,
     prompt_ids: Sequence[int],
     tools: Sequence[ToolSpec] | None,
     choice: str | None,
@@ -98,7 +99,7 @@ class Frontend:
 
 
 async def answer(
-    app: SimApp,
+    app: Face,
     request: Request,
     handle: RequestHandle,
     frontend: Frontend,
@@ -107,7 +108,7 @@ async def answer(
     fault: str | None,
     extra: list[tuple[bytes, bytes]],
 ) -> None:
-    from .app import respond_json
+    from .asgi import respond_json
 
     if not parsed.stream:
         texts = []

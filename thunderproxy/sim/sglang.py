@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .app import Handler, Request, SimApp
+    from .asgi import Face, Handler, Request
 
 SGLANG_VERSION = "0.5.23"
 FLUSHED = (
@@ -19,8 +19,8 @@ FLUSHED = (
 NOT_FLUSHED = "Cache not flushed: there are running or waiting requests.\n"
 
 
-def sglang_routes(app: SimApp) -> dict[str, dict[str, Handler]]:
-    from .app import respond, respond_json
+def sglang_routes(app: Face) -> dict[str, dict[str, Handler]]:
+    from .asgi import respond, respond_json
 
     engine = app.engine
 
@@ -57,7 +57,7 @@ def sglang_routes(app: SimApp) -> dict[str, dict[str, Handler]]:
     }
 
 
-def server_info_body(app: SimApp) -> dict[str, Any]:
+def server_info_body(app: Face) -> dict[str, Any]:
     engine = app.engine
     cfg = engine.config
     pool = engine.pool

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import trio
 
-from ..runtime import open_demo
-from ..sim import SimConfig
+from .runtime import open_demo
+from .sim import SimConfig
 
 MODELS = ("council-alpha", "council-bravo", "council-charlie")
 

@@ -57,8 +57,8 @@ from typing import Any
 from typing import Protocol as TypingProtocol
 
 from ..errors import InvalidRequest
-from ..protocols import Protocol, answer_elements, chain_elements
-from ..protocols.base import load_embedded
+from . import Protocol, answer_elements, chain_elements
+from .base import load_embedded
 
 DEFAULT_PROGRAM = "default"
 MAX_PROGRAM_ID_CHARS = 256
