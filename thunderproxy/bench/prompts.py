@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..sim.tokenizer import END, START, Tokenizer
+from ..sim.engine.tokenizer import END, START, Tokenizer
 from .workload import StepSpec
 
 #: Distinct words the text is drawn from: enough that 16-token blocks never collide by chance.

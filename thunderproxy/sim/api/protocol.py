@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .config import SimConfig
+from ..config import SimConfig
+from ..engine.tokenizer import Tokenizer
 from .errors import APIError, bad_request, validation_error
-from .tokenizer import Tokenizer
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .engine import RequestHandle, StepOutput
+from ..engine.core import RequestHandle, StepOutput
 from .errors import APIError, bad_request, validation_error
 from .protocol import GenerateRequest, parse_generate
 from .serving import Frontend, answer, plan_reply, sse_event

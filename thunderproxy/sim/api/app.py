@@ -14,6 +14,8 @@ from typing import Any
 
 import trio
 
+from ..config import SimConfig
+from ..engine.core import Engine, EngineDeadError, QueueFullError, RequestHandle
 from . import exposition
 from .anthropic import anthropic_routes
 from .asgi import (
@@ -30,10 +32,8 @@ from .asgi import (
     respond_json,
 )
 from .chat_tools import serve_chat_with_tools
-from .config import SimConfig
 from .control import dev_mode_routes, sim_routes
 from .council import council_script
-from .engine import Engine, EngineDeadError, QueueFullError, RequestHandle
 from .errors import APIError, error_body, validation_error
 from .protocol import GenerateRequest, parse_generate
 from .responses import ResponseBuilder, dumps, models_body

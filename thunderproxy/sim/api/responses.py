@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any
 
-from .config import SimConfig
+from ..config import SimConfig
 
 _dumps = json.JSONEncoder(ensure_ascii=True, separators=(",", ":")).encode
 

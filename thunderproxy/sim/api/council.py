@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .tokenizer import Tokenizer, message_text
+from ..engine.tokenizer import Tokenizer, message_text
 
 RANKING_MARKER = "FINAL RANKING:"
 CHAIRMAN_MARKER = "You are the Chairman of an LLM Council"

@@ -11,10 +11,10 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from .metrics import Histogram
+from ..engine.metrics import Histogram
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine.core import Engine
 
 Labels = Mapping[str, str]
 

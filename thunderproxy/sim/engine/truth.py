@@ -10,7 +10,7 @@ from itertools import groupby, islice
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .core import Engine
 
 
 def state(engine: Engine, *, free_queue_sample: int = 16) -> dict[str, Any]:

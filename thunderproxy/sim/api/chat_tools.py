@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .engine import RequestHandle, StepOutput
+from ..engine.core import RequestHandle, StepOutput
 from .errors import error_body
 from .protocol import GenerateRequest, parse_generate
 from .responses import ResponseBuilder, dumps

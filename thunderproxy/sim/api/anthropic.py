@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .engine import RequestHandle, StepOutput
+from ..engine.core import RequestHandle, StepOutput
 from .errors import APIError, validation_error
 from .protocol import GenerateRequest, parse_generate
 from .serving import ENGINE_DEAD, Frontend, answer, plan_reply, sse_event

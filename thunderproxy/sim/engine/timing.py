@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .config import TimingProfile
+from ..config import TimingProfile
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from . import truth
-from .config import SimConfig
+from ..config import SimConfig
+from ..engine import truth
 from .errors import APIError, validation_error
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import trio
 
+from ..config import SimConfig
 from .blocks import BlockPool
-from .config import SimConfig
 from .metrics import Recorder
 from .offload import CPUTier
 from .scheduler import Scheduler, SimRequest, Status, StepPlan, StepResult

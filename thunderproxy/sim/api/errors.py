@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import SimConfig
+from ..config import SimConfig
 
 
 class APIError(Exception):

@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
-from .config import SimConfig
-from .engine import Engine, RequestHandle
+from ..config import SimConfig
+from ..engine.core import Engine, RequestHandle
 from .errors import APIError, validation_error
 from .protocol import GenerateRequest
 from .responses import ResponseBuilder, dumps

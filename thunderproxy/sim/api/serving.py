@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .engine import RequestHandle, StepOutput
+from ..engine.core import RequestHandle, StepOutput
+from ..engine.tokenizer import TextGenerator
 from .errors import APIError
 from .protocol import GenerateRequest
 from .responses import dumps
-from .tokenizer import TextGenerator
 from .tools import ToolCallPlan, ToolSpec, plan_tool_call, prompt_digest
 
 if TYPE_CHECKING:
