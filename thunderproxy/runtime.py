@@ -34,7 +34,8 @@ from hypercorn.trio import serve
 
 from . import __version__
 from .admission.service import AdmissionService, instance_name
-from .admission.shared import RedisLink, SharedBackends, SharedLimits
+from .admission.shared import RedisLink, SharedLimits
+from .admission.shared_kv import SharedBackends
 from .audit import AuditLog, serve_audit_writer
 from .audit.records import TransitionRecord
 from .audit.writer import check_database_path

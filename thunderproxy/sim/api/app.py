@@ -1,7 +1,7 @@
 """The HTTP face of the simulator: a small raw-ASGI app over an Engine.
 
 Kept thin on purpose: validation and wire shapes live in protocol.py / responses.py, the
-behaviour in engine.py. What is here is routing, streaming, disconnects and faults.
+behaviour in sim/engine/. What is here is routing, streaming, disconnects and faults.
 """
 
 from __future__ import annotations

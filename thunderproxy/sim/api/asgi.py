@@ -83,6 +83,13 @@ async def respond_json(send: Send, status: int, value: Any, extra: list[Any] | N
     await respond(send, status, dumps(value).encode(), JSON + (extra or []))
 
 
+#: Sends one generated answer: (request, parsed, handle, builder, fault, extra headers).
+Answer = Callable[
+    [Request, GenerateRequest, RequestHandle, ResponseBuilder, str | None, list[Any]],
+    Awaitable[None],
+]
+
+
 class Face(Protocol):
     """The app as its route modules see it (``SimApp``)."""
 
@@ -107,22 +114,9 @@ class Face(Protocol):
         script: Sequence[tuple[int, str]] | None = None,
     ) -> None: ...
 
-    async def _complete(
-        self,
-        request: Request,
-        parsed: GenerateRequest,
-        handle: RequestHandle,
-        builder: ResponseBuilder,
-        fault: str | None,
-        extra: list[Any],
-    ) -> None: ...
+    # The two ways an answer is sent (whole, or streamed), as chat_tools.py calls them.
+    @property
+    def _complete(self) -> Answer: ...
 
-    async def _stream(
-        self,
-        request: Request,
-        parsed: GenerateRequest,
-        handle: RequestHandle,
-        builder: ResponseBuilder,
-        fault: str | None,
-        extra: list[Any],
-    ) -> None: ...
+    @property
+    def _stream(self) -> Answer: ...

@@ -20,8 +20,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from .. import __version__
-from ..statistics import HistogramSnapshot, ProxyStatistics
+from ... import __version__
+from ...statistics import HistogramSnapshot, ProxyStatistics
 
 PROMETHEUS_PATH = "/metrics/prometheus"
 #: Text format 0.0.4: every Prometheus version reads it (it is in the scraper's Accept list).

@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
-from ..errors import InvalidRequest
-from ..programs import Program, ProgramStatus
-from ..programs.registry import ProgramRegistry
-from .validate import parse_integer
+from ...errors import InvalidRequest
+from ...programs import Program, ProgramStatus
+from ...programs.registry import ProgramRegistry
+from ..validate import parse_integer
 
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 10_000
