@@ -83,6 +83,10 @@ async def respond_json(send: Send, status: int, value: Any, extra: list[Any] | N
     await respond(send, status, dumps(value).encode(), JSON + (extra or []))
 
 
+#: Writes one generation's answer in its route's format: (handle, response id, fault).
+Respond = Callable[[RequestHandle, str, str | None], Awaitable[None]]
+#: Scripted output: (token count, text) pieces, instead of sampled text.
+Script = Sequence[tuple[int, str]] | None
 #: Sends one generated answer: (request, parsed, handle, builder, fault, extra headers).
 Answer = Callable[
     [Request, GenerateRequest, RequestHandle, ResponseBuilder, str | None, list[Any]],
@@ -109,9 +113,9 @@ class Face(Protocol):
         self,
         request: Request,
         parsed: GenerateRequest,
-        respond: Callable[[RequestHandle, str, str | None], Awaitable[None]],
+        respond: Respond,
         *,
-        script: Sequence[tuple[int, str]] | None = None,
+        script: Script = None,
     ) -> None: ...
 
     # The two ways an answer is sent (whole, or streamed), as chat_tools.py calls them.
