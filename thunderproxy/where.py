@@ -1,7 +1,7 @@
 """Where in a config file a value sits: the location every section parser reports problems at.
 
-It lives apart from config/ so that the parsers of sections owned elsewhere (``[limits]`` in
-admission/spec.py) can take it without importing the settings that register them.
+It lives apart from config/ so that a section's parser (``[limits]`` in config/limits.py) can
+take it without importing the settings table that registers the parser.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ from typing import Any
 
 import trio
 
+from ..config.limits import ModelLimits
 from ..urls import redact_url
 from .limiter import DAY, MINUTE, Reservation, window_index
-from .spec import ModelLimits
 
 log = logging.getLogger("thunderproxy.admission.redis")
 

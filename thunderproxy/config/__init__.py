@@ -4,6 +4,7 @@
   field's help, flag and checks in its ``setting(...)`` metadata; ``SETTINGS`` lists them;
 - ``sections``: the structured ``--config`` sections (``[[backends]]``, ``[aliases]``,
   ``[limits]``) registered in ``SECTIONS``, and reading the TOML file;
+- ``limits``: the ``[limits]`` section's values and their parser (admission/ reads them);
 - ``embedded``: the embedded simulator's settings (``--sim``, ``THUNDERPROXY_SIM_*``);
 - ``loading``: ``load_settings``, defaults < config file < environment variables < flags;
 - ``help``: the click options, ``serve --help``'s sections and the README's table.

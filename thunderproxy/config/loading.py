@@ -12,10 +12,10 @@ from typing import Any
 
 import click
 
-from ..admission.spec import check_served
 from ..errors import ConfigError
 from ..where import Where
 from .embedded import SIM_ENV_PREFIX, sim_environment, sim_overrides
+from .limits import check_served
 from .sections import _check_aliases, read_config_file
 from .settings import (
     SETTINGS,

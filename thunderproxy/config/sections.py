@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..admission.spec import parse_limits
 from ..errors import ConfigError
 from ..where import Where
 from .embedded import sim_overrides
+from .limits import parse_limits
 from .settings import SETTINGS_BY_NAME, BackendSpec, FrozenMap, Setting, Settings, _suggest
 
 # --- config-file sections -------------------------------------------------------------------
@@ -161,7 +161,7 @@ def _aliases_section(value: Any, where: Where) -> Mapping[str, Any]:
     return {"aliases": FrozenMap(aliases)}
 
 
-# [limits]: the parser sits beside the values it builds (admission/spec.py, docs/LIMITS.md).
+# [limits]: the parser sits beside the values it builds (limits.py, docs/LIMITS.md).
 section("limits")(parse_limits)
 
 

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..admission.spec import LimitsSpec
 from ..errors import ConfigError
 from ..http.guard import DEFAULT_PASSTHROUGH, parse_prefixes
 from ..urls import redact_url
+from .limits import LimitsSpec
 
 ENV_PREFIX = "THUNDERPROXY_"
 SECONDS = 1.0

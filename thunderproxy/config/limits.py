@@ -1,8 +1,8 @@
 """The ``[limits]`` config section as values: limits per model, program classes, defaults.
 
-Parsing lives here, not in config/, so the section's rules sit beside the values they build;
-config/sections.py registers :func:`parse_limits` under ``[limits]``. Every problem is a
-ConfigError that names the key and the remedy.
+The section's rules sit beside the values they build; admission/ reads the values, and
+sections.py registers :func:`parse_limits` under ``[limits]``. Every problem is a ConfigError
+that names the key and the remedy.
 """
 
 from __future__ import annotations
