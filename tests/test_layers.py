@@ -44,14 +44,8 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
 
 #: (importing module or folder, imported module): the deliberate exceptions, documented in
 #: ARCHITECTURE.md.
-EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        # The passthrough setting is checked by the guard's own parser, so that a prefix the
-        # proxy accepts at start-up is the prefix the guard relays; it imports only errors and
-        # http/auth.py.
-        ("thunderproxy.config", "thunderproxy.http.guard"),
-    }
-)
+#: None today: a module that needs something above it gets it moved down or passed in.
+EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
 
 
 def modules(package: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:

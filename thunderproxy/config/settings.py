@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
-from ..http.guard import DEFAULT_PASSTHROUGH, parse_prefixes
 from ..urls import redact_url
 from .limits import LimitsSpec
+from .passthrough import DEFAULT_PASSTHROUGH, parse_prefixes
 
 ENV_PREFIX = "THUNDERPROXY_"
 SECONDS = 1.0
