@@ -13,10 +13,10 @@ import trio
 
 from thunderproxy.admission.service import AdmissionService
 from thunderproxy.admission.shared import SharedLimits
-from thunderproxy.admission.spec import LimitsSpec, ModelLimits
 from thunderproxy.audit import AuditLog
 from thunderproxy.audit.records import AuditRecord
 from thunderproxy.backends import BackendPool
+from thunderproxy.config.limits import LimitsSpec, ModelLimits
 from thunderproxy.gateway import Call
 from thunderproxy.http.sse import OPENAI
 from thunderproxy.programs import StepUsage

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from thunderproxy.backends.metrics import parse_prometheus
 from thunderproxy.sim import Engine, SimConfig
+from thunderproxy.sim.api.exposition import render
 from thunderproxy.sim.config import COMPAT_VERSIONS
-from thunderproxy.sim.exposition import render
 
 Key = tuple[str, tuple[tuple[str, str], ...], float]
 

@@ -24,7 +24,7 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
 import trio
@@ -104,6 +104,14 @@ class Wire(Protocol):
         ...
 
 
+if TYPE_CHECKING:
+    from .protocols import Protocol as WireProtocol
+    from .protocols import ProtocolWire
+
+    # Never run: it makes the type checker prove that ProtocolWire is the gateway's Wire.
+    _WIRE: Wire = ProtocolWire(WireProtocol.CHAT)
+
+
 @dataclass
 class Admitted:
     """What admission hands back for an admitted call: the served model to send it to when
@@ -153,7 +161,7 @@ class Call:
     #: The client did not ask for the usage chunk the proxy requested: hide it.
     hide_usage: bool = False
     method: str = "POST"
-    #: How the call was tied to its program (programs/recognition.py's Source), recorded on its
+    #: How the call was tied to its program (protocols/recognition.py's Source), recorded on its
     #: steps row, and on its program's first transition when this call creates it.
     source: str | None = None
     #: For a prompt continuation (``prefix``, ``prompt_prefix``): how many messages matched.

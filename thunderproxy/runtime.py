@@ -34,7 +34,8 @@ from hypercorn.trio import serve
 
 from . import __version__
 from .admission.service import AdmissionService, instance_name
-from .admission.shared import RedisLink, SharedBackends, SharedLimits
+from .admission.shared import RedisLink, SharedLimits
+from .admission.shared_kv import SharedBackends
 from .audit import AuditLog, serve_audit_writer
 from .audit.records import TransitionRecord
 from .audit.writer import check_database_path
@@ -53,7 +54,7 @@ from .jobs import open_council, serve_council
 from .jobs.gateway_client import GatewayChatClient
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
-from .programs.recognition import ProgramRecognizer, RecognitionConfig
+from .protocols.recognition import ProgramRecognizer, RecognitionConfig
 from .scheduling import Scheduler, policy_named
 from .scheduling.scheduler import serve_resume_monitor
 from .statistics import Counters

@@ -20,7 +20,7 @@ import trio
 from tests.admission.conftest import RedisServer, free_port
 from tests.admission.test_shared import drain, killed_at_exit
 from tests.conftest import query, spawn_serving
-from thunderproxy.admission.shared import SharedBackends
+from thunderproxy.admission.shared_kv import SharedBackends
 from thunderproxy.sim import SimConfig, open_simulator
 
 BACKEND = "http://gpu0:8000"

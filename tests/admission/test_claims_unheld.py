@@ -20,7 +20,7 @@ import trio.testing
 from tests.admission.conftest import RedisServer
 from tests.admission.test_claims import Claimant, instance
 from tests.scheduling.test_scheduler import CFG, Harness, begin, end, open_harness
-from thunderproxy.admission.shared import SharedBackends
+from thunderproxy.admission.shared_kv import SharedBackends
 from thunderproxy.programs import ProgramStatus, StepUsage
 from thunderproxy.scheduling import Scheduler, claims
 from thunderproxy.scheduling.costs import HoldLedger

@@ -15,7 +15,7 @@ import trio
 
 from tests.conftest import query, running_proxy, wait_for
 from tests.explore.conftest import run_canned
-from thunderproxy.admission.spec import ClassSpec, LimitsSpec, ModelLimits
+from thunderproxy.config.limits import ClassSpec, LimitsSpec, ModelLimits
 from thunderproxy.runtime import RunningProxy
 from thunderproxy.sim import SimConfig, open_simulator
 

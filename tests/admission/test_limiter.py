@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from thunderproxy.admission.limiter import Limiter
-from thunderproxy.admission.spec import ClassSpec, LimitsSpec, ModelLimits
+from thunderproxy.config.limits import ClassSpec, LimitsSpec, ModelLimits
 
 FIXED = ClassSpec("interactive", 0.5, flexible=False)
 FLEX_A = ClassSpec("batch", 0.25)

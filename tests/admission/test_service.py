@@ -12,10 +12,10 @@ import trio
 import trio.testing
 
 from thunderproxy.admission.service import AdmissionService, Ticket
-from thunderproxy.admission.spec import ClassSpec, LimitsSpec, ModelLimits
 from thunderproxy.audit import AuditLog
 from thunderproxy.audit.records import AuditRecord, DecisionRecord
 from thunderproxy.backends import BackendPool
+from thunderproxy.config.limits import ClassSpec, LimitsSpec, ModelLimits
 from thunderproxy.errors import InvalidRequest, RateLimited
 from thunderproxy.gateway import Call
 from thunderproxy.http.sse import OPENAI

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from thunderproxy.admission.spec import ModelLimits
 from thunderproxy.config import load_settings
+from thunderproxy.config.limits import ModelLimits
 from thunderproxy.errors import ConfigError
 
 GOOD = """

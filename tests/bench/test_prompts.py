@@ -11,7 +11,7 @@ from thunderproxy.bench.prompts import (
     system_prompt,
 )
 from thunderproxy.bench.workload import StepSpec
-from thunderproxy.sim.tokenizer import TextGenerator, Tokenizer
+from thunderproxy.sim.engine.tokenizer import TextGenerator, Tokenizer
 
 
 def simulator_ids(conversation: Conversation, tokenizer: Tokenizer) -> list[int]:

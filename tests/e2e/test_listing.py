@@ -12,7 +12,13 @@ import pytest
 
 from tests.conftest import running_proxy
 from thunderproxy.errors import InvalidRequest
-from thunderproxy.http.listing import MAX_LIMIT, SCAN_PER_ITEM, ProgramQuery, page, parse_query
+from thunderproxy.http.readouts.listing import (
+    MAX_LIMIT,
+    SCAN_PER_ITEM,
+    ProgramQuery,
+    page,
+    parse_query,
+)
 from thunderproxy.programs import Program, StepUsage
 from thunderproxy.programs.registry import ProgramRegistry
 from thunderproxy.sim import SimConfig, open_simulator

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from thunderproxy import __version__
-from thunderproxy.admission.spec import LimitsSpec, ModelLimits
+from thunderproxy.config.limits import LimitsSpec, ModelLimits
 from thunderproxy.sim import SimConfig, open_simulator
 
 from ..conftest import apt_install, running_proxy

@@ -9,7 +9,7 @@ import trio
 
 from tests.explore.conftest import run_canned
 from tests.jobs.helpers import MODELS, ask_streaming, council_proxy, new_conversation
-from thunderproxy.jobs.demo import CouncilDemoConfig, describe, run_council_demo
+from thunderproxy.council_demo import CouncilDemoConfig, describe, run_council_demo
 
 
 async def test_the_canned_queries_answer_about_real_council_jobs(tmp_path: Path) -> None:

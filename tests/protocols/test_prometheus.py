@@ -17,7 +17,12 @@ from thunderproxy.audit.records import RejectionRecord, StepRecord
 from thunderproxy.audit.writer import AuditStatistics
 from thunderproxy.backends.metrics import EngineSnapshot
 from thunderproxy.errors import ModelNotFound, NoBackendAvailable, NotReady, RateLimited, reason
-from thunderproxy.http.prometheus import CONTENT_TYPE, PROMETHEUS_PATH, render, wants_prometheus
+from thunderproxy.http.readouts.prometheus import (
+    CONTENT_TYPE,
+    PROMETHEUS_PATH,
+    render,
+    wants_prometheus,
+)
 from thunderproxy.programs import ProgramStatus
 from thunderproxy.programs.registry import BackendLoad
 from thunderproxy.statistics import (

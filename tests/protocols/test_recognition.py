@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from werkzeug.datastructures import Headers
 
 from thunderproxy.errors import InvalidRequest
-from thunderproxy.programs.recognition import (
+from thunderproxy.protocols import ChatTap, MessagesTap, Protocol, ResponsesTap, chain_elements
+from thunderproxy.protocols.recognition import (
     DEFAULT_PROGRAM,
     ProgramRecognizer,
     Recognised,
@@ -23,7 +24,6 @@ from thunderproxy.programs.recognition import (
     claude_code_session,
     without_program_id,
 )
-from thunderproxy.protocols import ChatTap, MessagesTap, Protocol, ResponsesTap, chain_elements
 
 from .streams import chat_events, messages_events, responses_events
 
@@ -536,7 +536,7 @@ def test_a_stateless_previous_response_is_not_a_whole_prompt() -> None:
 def test_recognising_hashes_each_byte_of_the_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Twice the history costs twice the hashing, not four times: links are chained, never
     recomputed from the start."""
-    from thunderproxy.programs import recognition
+    from thunderproxy.protocols import recognition
 
     hashed = 0
     real = recognition._digest

@@ -11,9 +11,9 @@ import trio.testing
 
 from thunderproxy.audit import StepRecord
 from thunderproxy.gateway import Call
-from thunderproxy.programs.recognition import ProgramRecognizer, Source
 from thunderproxy.protocols import Protocol, ProtocolWire
 from thunderproxy.protocols.base import parse_event
+from thunderproxy.protocols.recognition import ProgramRecognizer, Source
 
 from ..test_gateway import ScriptedBackend, rig
 from .streams import MESSAGES_ANSWER, RESPONSE_USAGE, messages_events, responses_events

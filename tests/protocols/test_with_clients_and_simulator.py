@@ -20,8 +20,8 @@ import openai
 import pytest
 import trio
 
-from thunderproxy.programs.recognition import ProgramRecognizer, Source
 from thunderproxy.protocols import Protocol, SseTap, tap_for
+from thunderproxy.protocols.recognition import ProgramRecognizer, Source
 from thunderproxy.sim import SimConfig, Simulator, open_simulator
 
 from ..sim.helpers import SMALL

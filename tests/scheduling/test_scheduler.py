@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import trio
 
-from thunderproxy.admission.shared import SharedBackends
+from thunderproxy.admission.shared_kv import SharedBackends
 from thunderproxy.audit import AuditLog, DecisionRecord
 from thunderproxy.audit.records import AuditRecord, TransitionRecord
 from thunderproxy.backends import BackendPool, EngineSnapshot, open_backend_pool

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thunderproxy.sim.blocks import BlockPool, block_hashes, salt_key
+from thunderproxy.sim.engine.blocks import BlockPool, block_hashes, salt_key
 
 
 def ids(blocks: object) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from thunderproxy.sim.exposition import fmt
-from thunderproxy.sim.metrics import ITL_BUCKETS, TTFT_BUCKETS, buckets_1_2_5
+from thunderproxy.sim.api.exposition import fmt
+from thunderproxy.sim.engine.metrics import ITL_BUCKETS, TTFT_BUCKETS, buckets_1_2_5
 
 from .helpers import parse_metrics
 

@@ -10,10 +10,10 @@ from trio.testing import MockClock
 from thunderproxy.backends.metrics import interpret
 from thunderproxy.scheduling.tiers import Tiers
 from thunderproxy.sim import Engine, SimConfig, StepOutput
-from thunderproxy.sim.blocks import BlockPool, block_hashes
-from thunderproxy.sim.exposition import render
-from thunderproxy.sim.offload import CPUTier
-from thunderproxy.sim.scheduler import Scheduler, SimRequest
+from thunderproxy.sim.api.exposition import render
+from thunderproxy.sim.engine.blocks import BlockPool, block_hashes
+from thunderproxy.sim.engine.offload import CPUTier
+from thunderproxy.sim.engine.scheduler import Scheduler, SimRequest
 
 from .helpers import SMALL, parse_metrics, token_prompt
 

@@ -10,7 +10,7 @@ import trio
 from trio.testing import MockClock
 
 from thunderproxy.sim import PROFILES, Engine, SimConfig
-from thunderproxy.sim.timing import batch_shape, prefill_seconds, step_seconds
+from thunderproxy.sim.engine.timing import batch_shape, prefill_seconds, step_seconds
 
 from .helpers import token_prompt
 

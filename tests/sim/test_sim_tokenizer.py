@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from thunderproxy.sim.tokenizer import END, START, TextGenerator, Tokenizer
+from thunderproxy.sim.engine.tokenizer import END, START, TextGenerator, Tokenizer
 
 TOK = Tokenizer()
 

@@ -15,14 +15,14 @@ import pytest
 from trio.testing import MockClock
 
 from thunderproxy.sim import Engine, SimConfig
-from thunderproxy.sim.tokenizer import Tokenizer
-from thunderproxy.sim.tools import (
+from thunderproxy.sim.api.tools import (
     ArgumentGenerator,
     ToolSpec,
     Tracker,
     plan_tool_call,
     template_messages,
 )
+from thunderproxy.sim.engine.tokenizer import Tokenizer
 
 from .helpers import SMALL, parse_metrics, token_prompt
 from .test_sim_http import MODEL, sse

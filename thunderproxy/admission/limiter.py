@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .spec import ClassSpec, LimitsSpec, ModelLimits, most_of
+from ..config.limits import ClassSpec, LimitsSpec, ModelLimits, most_of
 
 MINUTE = 60.0
 DAY = 86_400.0

@@ -27,13 +27,13 @@ from ..audit import AuditLog
 from ..audit.records import DecisionRecord
 from ..backends import BackendPool
 from ..config import Settings
+from ..config.limits import ClassSpec, LimitsSpec
 from ..errors import InvalidRequest, RateLimited
 from ..gateway import Admitted, Call
 from ..programs import StepUsage
 from ..scheduling.learners import PromptSizer
 from .limiter import DIMENSIONS, WINDOWED, Limiter, Reservation, Verdict, window_end
 from .shared import SharedLimits
-from .spec import ClassSpec, LimitsSpec
 
 log = logging.getLogger("thunderproxy.admission")
 

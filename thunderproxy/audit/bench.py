@@ -18,7 +18,7 @@ from functools import partial
 import trio
 import trio.lowlevel
 
-from ..programs import ProgramStatus, Transition
+from ..steps import ProgramStatus, Transition
 from .records import StepRecord, TransitionRecord
 from .writer import serve_audit_writer
 

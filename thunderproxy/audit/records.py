@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol
 
-from ..programs import StepUsage, Transition
+from ..steps import StepUsage, Transition
 
 ToUnix = Callable[[float], float]
 

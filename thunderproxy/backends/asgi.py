@@ -142,7 +142,7 @@ class EngineBackend(AsgiBackend):
     """The simulator ``engine`` behind its vLLM (or SGLang) HTTP face, in this process."""
 
     def __init__(self, engine: Engine, nursery: trio.Nursery, *, name: str) -> None:
-        from ..sim.app import SimApp
+        from ..sim.api.app import SimApp
 
         super().__init__(SimApp(engine), nursery, name=name)
         self.engine = engine

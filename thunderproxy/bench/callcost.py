@@ -42,8 +42,8 @@ from ..http.edges import Edges
 from ..http.proxy import run_cleanups
 from ..programs import ProgramRegistry
 from ..programs.profile import Profiles
-from ..programs.recognition import ProgramRecognizer
 from ..protocols import Protocol
+from ..protocols.recognition import ProgramRecognizer
 from ..scheduling import Scheduler, policy_named
 from ..scheduling.policy import PolicyConfig
 from ..statistics import Counters

@@ -515,7 +515,7 @@ def demo_command(
 def _council_demo(
     question: str | None, time_scale: float, host: str, port: int, db: str, wait: bool
 ) -> None:
-    from ..jobs.demo import CouncilDemoConfig, run_council_demo
+    from ..council_demo import CouncilDemoConfig, run_council_demo
 
     config = CouncilDemoConfig(host=host, port=port, db=db, time_scale=time_scale, wait=wait)
     if question:

@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import runpy
 import signal
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 #: (file suffix, function name) of a profiled function.
@@ -56,7 +57,7 @@ PHASES: tuple[tuple[str, tuple[Key, ...], tuple[Key, ...]], ...] = (
     ),
     (
         "recognise the program",
-        (("thunderproxy/programs/recognition.py", "recognise"),),
+        (("thunderproxy/protocols/recognition.py", "recognise"),),
         (),
     ),
     (
@@ -202,18 +203,16 @@ def table(profiles: Sequence[Profile]) -> str:
     return "\n".join(lines)
 
 
-def record(out: str, argv: Sequence[str]) -> None:
-    """Run ``thunderproxy ARGV`` (``serve ...``) with cProfile, timed by the main thread's CPU
-    clock, from the first SIGUSR1 on (the bench sends it when its measured window opens, so
-    start-up, Datasette's imports and the warm-up stay out); the dump is written to ``out``
-    when it exits."""
-    from ..cli import main as cli_main
-
+def record(out: str, argv: Sequence[str], program: Callable[[], object]) -> None:
+    """Run ``program`` (thunderproxy's CLI) on ``ARGV`` (``serve ...``) with cProfile, timed by
+    the main thread's CPU clock, from the first SIGUSR1 on (the bench sends it when its measured
+    window opens, so start-up, Datasette's imports and the warm-up stay out); the dump is
+    written to ``out`` when it exits."""
     profiler = cProfile.Profile(time.thread_time)
     signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
     sys.argv = ["thunderproxy", *argv]
     try:
-        cli_main()
+        program()
     except SystemExit:
         pass
     finally:
@@ -232,7 +231,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("args", nargs="+", help="cProfile dumps, or (--record) thunderproxy's")
     args = parser.parse_args(argv)
     if args.record:
-        record(args.record, args.args)
+        record(
+            args.record, args.args, lambda: runpy.run_module("thunderproxy", run_name="__main__")
+        )
         return
     print(table([analyse(path) for path in args.args]))
 

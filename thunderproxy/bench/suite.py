@@ -95,7 +95,7 @@ def poisson_rate(workload: Workload, config: BenchConfig, load: float) -> float:
     law: in flight = rate x time in the system). The cache holds ``kv / mean context``
     programs; a program alone takes its tool gaps plus one decode step per output token."""
     from ..sim import PROFILES
-    from ..sim.timing import batch_shape, step_seconds
+    from ..sim.engine.timing import batch_shape, step_seconds
 
     profile = PROFILES[config.profile]
     kv = config.kv_tokens or profile.kv_capacity_tokens

@@ -21,7 +21,7 @@ from ..backends import Backend, UpstreamRequest
 from ..errors import ProgramUnknown, ThunderproxyError, describe
 from ..gateway import Call, Gateway
 from ..http.sse import OPENAI
-from ..sim.tokenizer import Tokenizer
+from ..sim.engine.tokenizer import Tokenizer
 from .agent import CallResult
 from .prompts import Conversation
 

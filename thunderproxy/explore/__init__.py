@@ -13,21 +13,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .names import DATABASE_NAME, MOUNT_PATH, READ_METHODS, ASGIApp
 
 if TYPE_CHECKING:
     from ..config import Settings
     from ..http.app import Services
 
-#: An ASGI application (the proxy's Quart app, or the mount in front of it).
-ASGIApp = Any
-
-#: Where Datasette lives, on the proxy's port and in ``explore`` alike.
-MOUNT_PATH = "/datasette/"
-#: The audit db's name in Datasette's URLs (``/datasette/audit/...``), whatever its file name.
-DATABASE_NAME = "audit"
-#: The only HTTP methods the explorer answers: it never takes a write.
-READ_METHODS = frozenset({"GET", "HEAD"})
+__all__ = ["DATABASE_NAME", "MOUNT_PATH", "READ_METHODS", "ASGIApp", "mount_datasette"]
 
 
 @asynccontextmanager

@@ -21,8 +21,9 @@ from datasette.utils import parse_metadata
 from .. import __version__
 from ..audit import migrations
 from ..errors import AuditError
-from . import DATABASE_NAME, MOUNT_PATH, plugin
+from . import plugin
 from .limits import QueryClock
+from .names import DATABASE_NAME, MOUNT_PATH
 
 #: Datasette settings: read-only and fit for a db that grows while it is read.
 SETTINGS: dict[str, Any] = {

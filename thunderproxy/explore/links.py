@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from urllib.parse import urlencode
 
-from . import MOUNT_PATH
+from .names import MOUNT_PATH
 
 #: Bucket sizes in seconds, as the canned queries choose among them.
 BUCKETS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 10800, 21600, 86400)

@@ -31,8 +31,8 @@ import trio
 
 from ..http.auth import admin_allowed
 from ..supervision import Components, supervised
-from . import MOUNT_PATH, READ_METHODS
 from .child import EXIT_ORPHANED, EXIT_OVERRUN
+from .names import MOUNT_PATH, READ_METHODS
 
 log = logging.getLogger("thunderproxy.explore")
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import trio
 
-from . import MOUNT_PATH, READ_METHODS
 from .instance import SETTINGS, build_datasette, check_database
+from .names import MOUNT_PATH, READ_METHODS
 from .server import hypercorn_config, serve_datasette
 
 Scope = dict[str, Any]

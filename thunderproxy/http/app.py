@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 
 from .. import __version__, snapshot
 from ..admission.service import AdmissionService
-from ..admission.shared import SharedBackends
+from ..admission.shared_kv import SharedBackends
 from ..audit.records import RejectionRecord
 from ..backends import BackendPool
 from ..clock import WallClock
@@ -34,13 +34,12 @@ from ..errors import (
 from ..gateway import Gateway
 from ..programs import Program, ProgramStatus
 from ..programs.profile import Profiles
-from ..programs.recognition import ProgramRecognizer
 from ..protocols import Protocol
+from ..protocols.recognition import ProgramRecognizer
 from ..scheduling import Scheduler
 from ..snapshot import Statistics
 from ..statistics import Counters
 from ..supervision import Components
-from . import prometheus
 from .auth import require_admin
 from .drain import Drain
 from .edges import Edges, error_shape
@@ -55,9 +54,10 @@ from .fastpath import (
     shutting_down,
 )
 from .guard import PassthroughGuard, parse_prefixes, reads_allowed
-from .listing import next_link, page, parse_query
 from .proxy import RECORDED_KEY, Proxy, parse_json_object, run_cleanups
 from .readiness import Readiness
+from .readouts import prometheus
+from .readouts.listing import next_link, page, parse_query
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 #: The routes that need a backend, refused while the runtime waits for its backends.

@@ -29,15 +29,15 @@ from .. import protocols
 from ..backends import BackendNode, UpstreamRequest
 from ..errors import NoBackendAvailable
 from ..gateway import Call, Exchange, Gateway
-from ..programs.recognition import (
+from ..protocols import Protocol, ProtocolWire
+from ..protocols.anthropic import prepare_count_tokens
+from ..protocols.base import MAX_NESTING, deeper_than
+from ..protocols.recognition import (
     ProgramRecognizer,
     Recognised,
     explicit_program_id,
     without_program_id,
 )
-from ..protocols import Protocol, ProtocolWire
-from ..protocols.anthropic import prepare_count_tokens
-from ..protocols.base import MAX_NESTING, deeper_than
 from .body import read_body
 from .proxy import (
     RECORDED_KEY,

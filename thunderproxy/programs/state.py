@@ -12,51 +12,21 @@ it is REASONING while any is, and becomes ACTING when the last one ends, whateve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
+from ..steps import ProgramStatus, StepUsage, Transition
 
-class ProgramStatus(StrEnum):
-    REASONING = "reasoning"
-    ACTING = "acting"
-    PAUSED = "paused"
-    STOPPED = "stopped"
-
-    @property
-    def lifecycle(self) -> str:
-        """The seed API's ``state`` field: active, paused or terminated."""
-        if self is ProgramStatus.PAUSED:
-            return "paused"
-        if self is ProgramStatus.STOPPED:
-            return "terminated"
-        return "active"
-
-
-@dataclass(frozen=True)
-class StepUsage:
-    """Token counts of one finished LLM call, as the backend reported them (None: not reported)."""
-
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-
-    @property
-    def known(self) -> bool:
-        return self.prompt_tokens is not None
-
-
-@dataclass(frozen=True)
-class Transition:
-    """One state change, as it goes to the ``transitions`` table."""
-
-    program_id: str
-    from_status: ProgramStatus | None
-    to_status: ProgramStatus
-    reason: str
-    backend: str | None
-    step: int
-    at: float
-    #: How the program was recognised (recognition's Source); only on its first transition.
-    source: str | None = None
+__all__ = [
+    "Program",
+    "ProgramStatus",
+    "StepUsage",
+    "Transition",
+    "begin_step",
+    "create",
+    "end_step",
+    "pause",
+    "resume",
+    "stop",
+]
 
 
 @dataclass

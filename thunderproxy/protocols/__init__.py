@@ -14,8 +14,9 @@ no I/O, so the gateway calls it with bytes and JSON it already has:
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import InvalidRequest, ThunderproxyError, describe
 from . import anthropic, openai_chat, responses
@@ -35,9 +36,6 @@ from .base import (
 )
 from .openai_chat import ChatTap
 from .responses import ResponsesTap, response_id_from_body
-
-if TYPE_CHECKING:
-    from ..gateway import Call
 
 #: The scheduled routes: each call through them is one step of a program.
 ROUTES: dict[str, Protocol] = {
@@ -133,6 +131,13 @@ def new_tap(prepared: Prepared, *, collect_answer: bool = False) -> SseTap:
     return tap_for(prepared.protocol, hide_usage=prepared.hide_usage, collect_answer=collect_answer)
 
 
+class CallView(typing.Protocol):
+    """What a wire reads of the gateway's ``Call``: this package sits below the gateway."""
+
+    @property
+    def hide_usage(self) -> bool: ...
+
+
 class ProtocolWire:
     """The gateway's ``Wire`` for one call of any protocol (``Call.wire``).
 
@@ -146,7 +151,7 @@ class ProtocolWire:
         self.collect_answer = collect_answer
         self.last_tap: SseTap | None = None
 
-    def tap(self, call: Call) -> SseTap:
+    def tap(self, call: CallView) -> SseTap:
         self.last_tap = tap_for(
             self.protocol, hide_usage=call.hide_usage, collect_answer=self.collect_answer
         )
@@ -224,6 +229,7 @@ __all__ = [
     "answer_elements",
     "answer_from_body",
     "chain_elements",
+    "CallView",
     "error_body",
     "new_tap",
     "prepare",
@@ -233,9 +239,3 @@ __all__ = [
     "tap_for",
     "usage_from_body",
 ]
-
-if TYPE_CHECKING:
-    from ..gateway import Wire
-
-    # Never run: it makes the type checker prove that ProtocolWire is the gateway's Wire.
-    _WIRE: Wire = ProtocolWire(Protocol.CHAT)

@@ -5,7 +5,7 @@ tr decides whether a call fits a backend on its own view, in which what the othe
 claim is a figure one publication old (``BackendView.others_tokens``). Every call that adds KV
 beyond what this instance's published claim already covers (a program's first call, one that
 waited, a returning call let through) makes the same test again where no other instance can
-claim in between, in one Redis script (``admission.shared.CLAIM_KV``): ``fits`` with the other
+claim in between, in one Redis script (``admission.shared_kv.CLAIM_KV``): ``fits`` with the other
 instances' claims as Redis sums them at that instant. ``ask`` gives the figures the script
 needs, from the views the policy sees once the call is counted in them; ``refused`` is the
 decision logged when the script says no, after which the program waits exactly as if its own

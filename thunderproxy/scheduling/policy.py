@@ -20,93 +20,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from ..config import PolicyConfig as PolicyConfig
 from ..programs import ProgramStatus
 from .tiers import assumed_tier
-
-
-class Action(StrEnum):
-    ADMIT = "admit"
-    QUEUE = "queue"
-    PAUSE = "pause"
-    MARK = "mark"
-    RESUME = "resume"
-    MIGRATE = "migrate"
-    FORCE_RESUME = "force_resume"
-    RETIRE = "retire"
-    CANCEL = "cancel"
-    REJECT = "reject"
-
-
-@dataclass(frozen=True)
-class ProgramView:
-    program_id: str
-    status: ProgramStatus
-    backend: str | None
-    tokens: int
-    created_at: float
-    acting_since: float | None = None
-    paused_since: float | None = None
-    #: When the request that waits for this program arrived (None: no request waits).
-    waiting_since: float | None = None
-    marked: bool = False
-    protected_until: float = 0.0
-    last_activity: float = 0.0
-    in_flight: int = 0
-    #: The backends that serve the program's model (None: any); it never moves off them.
-    eligible: frozenset[str] | None = None
-    #: Calls begun so far: 0 while its first call waits at admission.
-    steps: int = 0
-    #: How long its last tool ran (None: unknown); predicts how long its current one runs.
-    tool_s: float | None = None
-    #: Seconds its calls have waited in the proxy so far, the waits of calls already sent.
-    waited_total_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class BackendView:
-    url: str
-    healthy: bool
-    #: None while the backend's metrics have never shown a KV capacity: not scheduled.
-    capacity_tokens: int | None
-    shared_prefix_tokens: int = 0
-    #: Shrinks when the engine preempts (the model was optimistic), recovers when it stops.
-    capacity_factor: float = 1.0
-    last_pause_at: float | None = None
-    last_resume_at: float | None = None
-    #: KV tokens other instances' programs claim here (shared through Redis; 0 without it).
-    others_tokens: int = 0
-    #: Whether holding programs back pays here (``costs.HoldLedger``; True until measured).
-    hold: bool = True
-    #: The measurements behind ``hold``, logged with the decisions that depend on it.
-    hold_inputs: dict[str, float] = field(default_factory=dict)
-    #: With a CPU KV tier in the capacity: the GPU's own tokens (tiers.py; None: GPU only).
-    gpu_tokens: int | None = None
-    #: The engine's fastest prefill per uncached token lately (costs.py; None: not measured).
-    prefill_s_per_token: float | None = None
-    #: The rule a call let through without holding is logged under: ``hold_does_not_pay``
-    #: (measured), or ``few_returns`` (fewer than half the programs come back: costs.py).
-    unheld_rule: str = "hold_does_not_pay"
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: Action
-    program_id: str
-    rule: str
-    backend: str | None
-    target_backend: str | None = None
-    capacity_tokens: int | None = None
-    used_tokens: int | None = None
-    program_tokens: int | None = None
-    idle_s: float | None = None
-    waited_s: float | None = None
-    queue_position: int | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
+from .values import Action as Action
+from .values import BackendView as BackendView
+from .values import Decision as Decision
+from .values import ProgramView as ProgramView
 
 
 def decay(idle_s: float, half_life_s: float) -> float:

@@ -1,17 +1,18 @@
 """thunderproxy sim: a simulated vLLM (or SGLang) backend that runs on a couple of CPU cores.
 
-Layers, from the data up:
-- tokenizer.py, blocks.py, scheduler.py, timing.py: pure engine logic (no trio, no HTTP);
-- engine.py: the trio step loop, reading time only through `trio.current_time()`;
-- protocol.py, responses.py, exposition.py, truth.py: wire formats, pure functions;
-- tools.py (tool calls, the template's tool parts), chat_tools.py, anthropic.py,
-  responses_api.py, serving.py: tool calls and the Anthropic and Responses APIs;
-- app.py, sglang.py, server.py: the raw-ASGI app on hypercorn's trio worker;
-- cli.py (`thunderproxy sim`), loadtest.py, calibrate.py: entry points.
+Rooms, from the data up:
+- config.py: ``SimConfig``, the profiles and knobs, read by both rooms;
+- engine/: the engine without HTTP (blocks, scheduler, offload tier, timing, tokenizer, metrics,
+  ground truth) and its trio step loop (``engine/core.py``);
+- api/: the HTTP faces over it (vLLM/OpenAI, Anthropic, Responses, SGLang, control, Prometheus)
+  assembled into one raw-ASGI app (``api/app.py``);
+- server.py: the app on hypercorn's trio worker (``Simulator``, ``open_simulator``);
+- cli.py (``thunderproxy sim``), loadtest.py, calibrate.py: entry points.
 """
 
 from .config import PROFILES, SimConfig, TimingProfile
-from .engine import Engine, EngineDeadError, QueueFullError, RequestHandle, StepOutput
+from .engine import truth
+from .engine.core import Engine, EngineDeadError, QueueFullError, RequestHandle, StepOutput
 from .server import Simulator, open_simulator, serve_simulator
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "TimingProfile",
     "open_simulator",
     "serve_simulator",
+    "truth",
 ]

@@ -27,7 +27,7 @@ import trio.testing
 
 from ..traces import read_jsonl, resolve
 from .config import PROFILES, SimConfig
-from .engine import Engine
+from .engine.core import Engine
 
 TRACE = "thunderagent_sweagent_glm45_calls.jsonl"
 RUNS = {"bs1": 1, "bs4": 4, "bs32": 32}

@@ -16,9 +16,9 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from .app import SimApp
+from .api.app import SimApp
 from .config import SimConfig
-from .engine import Engine
+from .engine.core import Engine
 
 
 @dataclass
