@@ -804,3 +804,20 @@ def test_dropped_answers_are_followed_on_messages_and_responses(protocol: Protoc
 
 def _item(text: str) -> dict[str, Any]:
     return {"type": "message", "role": "user", "content": text}
+
+
+def test_past_a_prompt_two_programs_share_no_shorter_prompt_is_tried() -> None:
+    """Two runs of one task reach the same prompt; a third run's first prompt is shorter. A
+    request extending the shared prompt names none of them (found by the property test)."""
+    r = recognizer()
+    task = chat_request(["Solve it."])
+    dropped = chat_request(["Solve it.", "Tool call error 0."])
+    first, second = (r.recognise(Protocol.CHAT, task, {}, 0.0) for _ in range(2))
+    for found in (first, second):
+        r.observe_answer(found.program_id, Protocol.CHAT, task, "no tool call", 1.0)
+        assert r.recognise(Protocol.CHAT, dropped, {}, 2.0).program_id == found.program_id
+        r.observe_answer(found.program_id, Protocol.CHAT, dropped, "no tool call", 3.0)
+    third = r.recognise(Protocol.CHAT, task, {}, 4.0)
+    r.observe_answer(third.program_id, Protocol.CHAT, task, "an answer", 5.0)
+    further = chat_request(["Solve it.", "Tool call error 0.", "Tool call error 1."])
+    assert r.recognise(Protocol.CHAT, further, {}, 6.0).source is Source.NEW

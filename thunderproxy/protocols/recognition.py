@@ -37,10 +37,11 @@ match wins, so a program that took its answer back is found only where nothing t
 answer claims the request. The prompt must be strictly extended (a request equal to it, a parallel
 sample of the same prompt, starts a program of its own), a prompt of one element (a system prompt
 alone) is never kept, and a prompt that two live programs both sent last (samples of one prompt,
-or two runs of one task) names neither: such a request starts a new program. What this rule can
-merge wrongly is a task whose whole first prompt (system prompt and task text) another program
-sent last, then extended without the answer: in practice a second run of the same task that does
-not keep its first answer, which then shares the other run's cached prefix anyway.
+or two runs of one task) names neither, and no shorter match is tried past it: such a request
+starts a new program. What this rule can merge wrongly is a task whose whole first prompt (system
+prompt and task text) another program sent last, then extended without the answer: in practice a
+second run of the same task that does not keep its first answer, which then shares the other
+run's cached prefix anyway.
 """
 
 from __future__ import annotations
@@ -287,7 +288,12 @@ class ProgramRecognizer:
                 # a fork of that history, not its continuation.
                 if index + 1 < len(elements) and _kind(elements[index + 1]) in CLIENT_TURNS:
                     program_id = self._lookup(self._prompts, links[index], now)
-                    if program_id:
+                    if program_id == "":
+                        # Several live programs sent this prompt last: the request continues a
+                        # history they share, and a shorter match would only name one of them
+                        # by less of it. It starts a program of its own.
+                        break
+                    if program_id is not None:
                         return Recognised(program_id, Source.PROMPT_PREFIX, matched=index + 1)
         if not links:
             return Recognised(DEFAULT_PROGRAM, Source.DEFAULT)
