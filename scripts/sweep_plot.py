@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from thunderproxy.bench.plot import sweep_plot
+from thunderproxy.bench.report.plot import sweep_plot
 
 
 def results(paths: list[str]) -> list[dict[str, Any]]:

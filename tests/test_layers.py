@@ -242,3 +242,30 @@ def test_the_reader_sees_relative_and_function_imports(tmp_path: Path) -> None:
     assert edges["thunderproxy.sub.low"] == {"thunderproxy.top"}
     assert edges["thunderproxy.sub"] == {"thunderproxy.top"}
     assert cycles(edges) == [["thunderproxy.sub.low", "thunderproxy.top", "thunderproxy.sub.low"]]
+
+
+#: bench/'s rooms (and its top-level files), top to bottom, as its ``__init__`` lists them: bench/
+#: is one layer above, and inside it each room imports only the rooms below it.
+BENCH_ROOMS = ("cli", "studies", "relay", "runs", "config", "report", "agents", "workloads")
+
+
+def bench_room(name: str) -> str:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_bench_rooms_import_down() -> None:
+    found = []
+    for source, targets in sorted(graph().items()):
+        if area(source) != "bench" or bench_room(source) == "__init__":
+            continue
+        for target in sorted(targets):
+            if area(target) != "bench" or bench_room(target) == bench_room(source):
+                continue
+            room, imported = bench_room(source), bench_room(target)
+            if imported == "__init__" or BENCH_ROOMS.index(room) >= BENCH_ROOMS.index(imported):
+                found.append(f"{source} -> {target}")
+    assert not found, (
+        "imports between bench/'s rooms against the order in bench/__init__.py (move the "
+        "shared thing down):\n  " + _described(found)
+    )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import apt_install
-from thunderproxy.bench.redisserver import RedisServer, free_port
+from thunderproxy.bench.studies.redisserver import RedisServer, free_port
 
 __all__ = ["RedisServer", "free_port"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from thunderproxy.bench.callcost import body, measure, measure_one_shot
+from thunderproxy.bench.relay.callcost import body, measure, measure_one_shot
 
 
 @pytest.mark.parametrize("router", ["default", "tr"])

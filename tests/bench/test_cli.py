@@ -129,7 +129,7 @@ def test_mistakes_are_reported_before_anything_runs(
 
 
 def test_sweep_series_are_per_target_and_sorted_by_concurrency() -> None:
-    from thunderproxy.bench.plot import series
+    from thunderproxy.bench.report.plot import series
 
     results = [
         {"target": "tr", "concurrency": 32, "steps_per_min": 2.0},
@@ -182,7 +182,7 @@ def test_workload_shape_flags_reach_the_prompts_and_no_release_leaves_programs_o
 
 
 def test_overhead_targets_are_the_routers_and_the_relays() -> None:
-    from thunderproxy.bench import overhead
+    from thunderproxy.bench.relay import overhead
     from thunderproxy.errors import ConfigError
 
     assert overhead.parse_targets("direct,tr,fastapi,litellm") == ("tr", "fastapi", "litellm")

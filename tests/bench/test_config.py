@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from tests.bench.synthetic import thunderagent_rows
-from thunderproxy.bench import workload
 from thunderproxy.bench.config import (
     BenchConfig,
     parse_int_list,
@@ -13,6 +12,7 @@ from thunderproxy.bench.config import (
     parse_sim_settings,
     parse_targets,
 )
+from thunderproxy.bench.workloads import workload
 from thunderproxy.errors import ConfigError
 from thunderproxy.sim import PROFILES
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import trio
 
-from thunderproxy.bench.demo import DemoConfig, compare, serve_demo
+from thunderproxy.bench.runs.demo import DemoConfig, compare, serve_demo
 
 
 def test_the_demo_replays_through_default_and_tr_and_says_where_to_look(tmp_path: Path) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from thunderproxy.bench import figures
-from thunderproxy.bench.agent import ProgramLog, RunLog, StepLog
-from thunderproxy.bench.harness import SUMMARY_KEYS
+from thunderproxy.bench.agents.agent import ProgramLog, RunLog, StepLog
+from thunderproxy.bench.report import figures
+from thunderproxy.bench.runs.harness import SUMMARY_KEYS
 
 
 def step(program: str, n: int, sent: float, first: float, done: float, **kw: object) -> StepLog:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from thunderproxy.bench import overhead
-from thunderproxy.bench.fastbackend import UNSTAMPED, chunk_payloads, stamps
+from thunderproxy.bench.relay import overhead
+from thunderproxy.bench.relay.fastbackend import UNSTAMPED, chunk_payloads, stamps
 
 
 def stamped_line(read_at: int, sent_at: int) -> str:

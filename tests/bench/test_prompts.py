@@ -4,13 +4,13 @@ makes of the messages an HTTP client sends, and only the system prompt is shared
 from __future__ import annotations
 
 from thunderproxy import protocols
-from thunderproxy.bench.prompts import (
+from thunderproxy.bench.workloads.prompts import (
     BlockText,
     Conversation,
     Vocabulary,
     system_prompt,
 )
-from thunderproxy.bench.workload import StepSpec
+from thunderproxy.bench.workloads.workload import StepSpec
 from thunderproxy.sim.engine.tokenizer import TextGenerator, Tokenizer
 
 

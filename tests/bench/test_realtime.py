@@ -17,9 +17,9 @@ import trio
 
 from tests.bench.synthetic import write_thunderagent
 from tests.conftest import apt_install
-from thunderproxy.bench import overhead
 from thunderproxy.bench.config import BenchConfig
-from thunderproxy.bench.harness import run_bench
+from thunderproxy.bench.relay import overhead
+from thunderproxy.bench.runs.harness import run_bench
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import pytest
 
 from thunderproxy.audit.writer import open_database
 from thunderproxy.bench.config import BenchConfig
-from thunderproxy.bench.realtime import (
+from thunderproxy.bench.runs.realtime import (
     cpu_seconds_of,
     proxy_run_figures,
     serve_argv,

@@ -13,8 +13,8 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from thunderproxy.backends.h1 import H1Pool
-from thunderproxy.bench.fastbackend import UNSTAMPED, FastBackend
-from thunderproxy.bench.relay_floor import create_floor, serve_trio
+from thunderproxy.bench.relay.fastbackend import UNSTAMPED, FastBackend
+from thunderproxy.bench.relay.relay_floor import create_floor, serve_trio
 
 BODY = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 

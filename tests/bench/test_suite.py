@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from thunderproxy.bench import suite
 from thunderproxy.bench.config import BenchConfig, DemoConfig
-from thunderproxy.bench.demo import demo_bench_config
-from thunderproxy.bench.harness import workload_for
+from thunderproxy.bench.runs import suite
+from thunderproxy.bench.runs.demo import demo_bench_config
+from thunderproxy.bench.runs.harness import workload_for
 from thunderproxy.cli import cli
 from thunderproxy.errors import ConfigError
 

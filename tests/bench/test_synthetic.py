@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from thunderproxy.bench import synthetic
-from thunderproxy.bench.traces import load_workload
+from thunderproxy.bench.workloads import synthetic
+from thunderproxy.bench.workloads.traces import load_workload
 
 
 def test_a_council_is_members_answering_then_reviewing_then_a_chairman() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from thunderproxy import traces
-from thunderproxy.bench.traces import load_workload
+from thunderproxy.bench.workloads.traces import load_workload
 from thunderproxy.errors import ConfigError
 
 # What the decompressed files must hash to (thunderproxy/traces/README.md).

@@ -9,9 +9,9 @@ import httpx
 import trio
 
 from thunderproxy.backends.asgi import EngineBackend
-from thunderproxy.bench.prompts import Conversation, Vocabulary, system_prompt
-from thunderproxy.bench.transport import HttpTransport, InProcessTransport, SSEResult
-from thunderproxy.bench.workload import StepSpec
+from thunderproxy.bench.agents.transport import HttpTransport, InProcessTransport, SSEResult
+from thunderproxy.bench.workloads.prompts import Conversation, Vocabulary, system_prompt
+from thunderproxy.bench.workloads.workload import StepSpec
 from thunderproxy.sim import Engine, SimConfig, open_simulator
 
 CONFIG = SimConfig(

@@ -19,10 +19,11 @@ from trio._core import _run as trio_run
 
 from tests.bench.synthetic import mooncake_rows, thunderagent_rows
 from thunderproxy.audit.records import DecisionRecord, StepRecord, TransitionRecord
-from thunderproxy.bench import virtual, workload
-from thunderproxy.bench.agent import BenchError
+from thunderproxy.bench.agents.agent import BenchError
 from thunderproxy.bench.config import BenchConfig
-from thunderproxy.bench.workload import Workload
+from thunderproxy.bench.runs import virtual
+from thunderproxy.bench.workloads import workload
+from thunderproxy.bench.workloads.workload import Workload
 
 SAME_IN_VIRTUAL_TIME = ("steps_per_min", "prefix_hit_rate", "program_time_p99_s", "preemptions")
 
@@ -202,9 +203,11 @@ def test_a_prompt_larger_than_the_cache_is_an_error_not_a_hang(agents_workload: 
 def test_a_target_that_stops_making_progress_is_reported(
     agents_workload: Workload, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("thunderproxy.bench.agent.STALL_S", 60.0)
+    monkeypatch.setattr("thunderproxy.bench.agents.agent.STALL_S", 60.0)
     config = BenchConfig(virtual=True, concurrency=2, kv_tokens=200_000)
-    monkeypatch.setattr("thunderproxy.bench.transport.InProcessTransport._direct", _never_answers)
+    monkeypatch.setattr(
+        "thunderproxy.bench.agents.transport.InProcessTransport._direct", _never_answers
+    )
     with pytest.raises(BenchError, match="No call ended for 60 simulated seconds"):
         virtual.run(agents_workload.subset(1, 1), config, "direct")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.bench.synthetic import mooncake_rows, thunderagent_rows
-from thunderproxy.bench import workload
-from thunderproxy.bench.workload import SCHEMA_TOKENS, TEMPLATE_TOKENS, StepSpec
+from thunderproxy.bench.workloads import workload
+from thunderproxy.bench.workloads.workload import SCHEMA_TOKENS, TEMPLATE_TOKENS, StepSpec
 
 
 def test_thunderagent_prompts_decode_lengths_and_gaps_follow_the_trace() -> None:

@@ -19,7 +19,7 @@ import trio
 
 # The fixtures: a redis-server (installed if missing) on a free port.
 from tests.admission.conftest import RedisServer, redis_binary, redis_server  # noqa: F401
-from thunderproxy.bench.scaleout import ScaleoutConfig, run_arrangement
+from thunderproxy.bench.studies.scaleout import ScaleoutConfig, run_arrangement
 from thunderproxy.scaleout import worker_db
 from thunderproxy.sim import SimConfig, open_simulator
 

@@ -25,7 +25,7 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from tests.conftest import query, running_proxy
 from tests.http.test_relay_fastpath import answer_the_rest, burst_answer
-from thunderproxy.bench.relay_floor import requests
+from thunderproxy.bench.relay.relay_floor import requests
 from thunderproxy.http.front import Connection, serve_front
 
 CHAT = b"/v1/chat/completions"

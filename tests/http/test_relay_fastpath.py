@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from tests.conftest import query, running_proxy
-from thunderproxy.bench.relay_floor import requests
+from thunderproxy.bench.relay.relay_floor import requests
 from thunderproxy.http.app import ProxyHTTPConnection
 from thunderproxy.http.fastpath import FastRoutes
 from thunderproxy.http.front import Connection

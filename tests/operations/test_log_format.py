@@ -11,7 +11,7 @@ from pathlib import Path
 import trio
 
 from tests.conftest import spawn_serving
-from thunderproxy.bench.redisserver import free_port
+from thunderproxy.bench.studies.redisserver import free_port
 from thunderproxy.cli import JsonFormatter
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from thunderproxy.bench.worker_signals import main
+from thunderproxy.bench.studies.worker_signals import main
 
 
 @pytest.mark.slow

@@ -2,13 +2,17 @@
 ``default`` or ``tr``, any other proxy, or the unbounded-KV oracle) against simulated vLLM
 backends, and measure it.
 
-Layers, from the data up:
-- workload.py, traces.py, prompts.py: traces into programs, steps and exact prompt tokens (pure,
-  plus the file reading);
-- agent.py, transport.py: the one agent loop, over HTTP or in-process;
-- virtual.py (MockClock, no sockets) and realtime.py (processes on loopback): the two clocks;
-- figures.py (pure), store.py (SQLite), plot.py (matplotlib), harness.py (``run_bench``);
-- overhead.py + fastbackend.py: proxy overhead; demo.py: ``thunderproxy demo``; cli.py.
+Rooms, from the data up; each imports only the rooms before it (and ``config.py`` only
+``workloads/`` and ``agents/``):
+- workloads/: traces into programs, steps and exact prompt tokens (pure, plus the file reading);
+- agents/: the one agent loop, over HTTP or in-process;
+- report/: the figures (pure) and the sweep plot (matplotlib);
+- config.py: what one run is asked to do (``BenchConfig``);
+- runs/: the two clocks (virtual.py on MockClock, realtime.py with processes on loopback),
+  harness.py (``run_bench``), store.py (SQLite), the suite and ``thunderproxy demo``;
+- relay/: proxy overhead and the CPU a relayed call costs (``--overhead``, ``python -m``);
+- studies/: stand-alone studies (scale, scale-out, worker signals, councils);
+- cli.py: ``thunderproxy bench`` and ``thunderproxy demo``.
 
 The Python API::
 
@@ -29,20 +33,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .config import BenchConfig
-    from .harness import BenchReport, run_bench
-    from .traces import load_workload
-    from .virtual import TargetResult
-    from .workload import ProgramSpec, StepSpec, Workload
+    from .runs.harness import BenchReport, run_bench
+    from .runs.virtual import TargetResult
+    from .workloads.traces import load_workload
+    from .workloads.workload import ProgramSpec, StepSpec, Workload
 
 _EXPORTS = {
     "BenchConfig": ".config",
-    "BenchReport": ".harness",
-    "run_bench": ".harness",
-    "load_workload": ".traces",
-    "TargetResult": ".virtual",
-    "ProgramSpec": ".workload",
-    "StepSpec": ".workload",
-    "Workload": ".workload",
+    "BenchReport": ".runs.harness",
+    "run_bench": ".runs.harness",
+    "load_workload": ".workloads.traces",
+    "TargetResult": ".runs.virtual",
+    "ProgramSpec": ".workloads.workload",
+    "StepSpec": ".workloads.workload",
+    "Workload": ".workloads.workload",
 }
 
 __all__ = [

@@ -11,7 +11,7 @@ import click
 import trio
 
 from ..errors import ThunderproxyError
-from .agent import ungrouped_errors
+from .agents.agent import ungrouped_errors
 from .config import (
     BenchConfig,
     DemoConfig,
@@ -20,11 +20,11 @@ from .config import (
     parse_sim_settings,
     parse_targets,
 )
-from .progress import ProgressBar
-from .workload import Workload
+from .runs.progress import ProgressBar
+from .workloads.workload import Workload
 
 if TYPE_CHECKING:
-    from .harness import BenchReport
+    from .runs.harness import BenchReport
 
 
 #: The demo's defaults, shown by ``thunderproxy demo --help``.
@@ -208,7 +208,7 @@ def _progress_factory(enabled: bool | None) -> Any:
     type=click.Path(file_okay=False),
     default=None,
     help="--overhead: run each router under cProfile over its measured window and leave "
-    "DIR/<router>-<streams>.prof (read with python -m thunderproxy.bench.requestcost).",
+    "DIR/<router>-<streams>.prof (read with python -m thunderproxy.bench.relay.requestcost).",
 )
 def bench_command(
     trace: str,
@@ -306,10 +306,10 @@ def bench_command(
         )
         concurrencies = parse_int_list(sweep, flag="--sweep")
         # Imported here so that `thunderproxy serve` does not load the bench.
-        from .harness import run_bench, write_json
+        from .runs.harness import run_bench, write_json
 
         if concurrencies and not no_plot:
-            from .plot import require_matplotlib
+            from .report.plot import require_matplotlib
 
             require_matplotlib()  # fail before an hour of benchmark, not after
         report = run_bench(
@@ -326,7 +326,7 @@ def bench_command(
         write_json(report, json_path)
         click.echo(f"figures written to {json_path}", err=True)
     if concurrencies and not no_plot:
-        from .plot import sweep_plot
+        from .report.plot import sweep_plot
 
         sweep_plot(report.summaries(), plot_path, title=_title(report))
         click.echo(f"plot written to {plot_path}", err=True)
@@ -365,8 +365,8 @@ def _print_report(report: BenchReport) -> None:
 def _suite(
     name: str, only: tuple[str, ...], jobs: int, json_path: str | None, markdown: bool
 ) -> None:
-    from . import suite
-    from .harness import code_version
+    from .runs import suite
+    from .runs.harness import code_version
 
     version = code_version()
 
@@ -406,7 +406,7 @@ def _overhead(
     profile: str | None = None,
     rounds: int = 1,
 ) -> None:
-    from . import overhead
+    from .relay import overhead
 
     chosen = overhead.parse_targets(targets)
     concurrencies = parse_int_list(sweep, flag="--sweep") or (1, 32, 128)
@@ -490,7 +490,7 @@ def demo_command(
     if council:
         _council_demo(question, time_scale, host, port, db, wait)
         return
-    from .demo import compare, serve_demo
+    from .runs.demo import compare, serve_demo
 
     config = DemoConfig(
         programs=programs,

@@ -12,8 +12,8 @@ from typing import Any
 from ..config import SETTINGS, Settings, load_settings, sim_overrides
 from ..errors import ConfigError
 from ..sim import PROFILES, SimConfig
-from .agent import ARRIVALS, Schedule
-from .workload import Workload
+from .agents.agent import ARRIVALS, Schedule
+from .workloads.workload import Workload
 
 #: Targets the bench runs itself; anything starting with http(s):// is an external proxy.
 TARGETS = ("direct", "default", "tr", "oracle", "offload")

@@ -5,7 +5,7 @@ serve`` under this module's recorder (cProfile timed by the main thread's CPU cl
 wall clock: on a shared machine wall time counts the waits for a core) and leaves one dump per
 cell in DIR; this reads them:
 
-    python -m thunderproxy.bench.requestcost DIR/default-32.prof [...]
+    python -m thunderproxy.bench.relay.requestcost DIR/default-32.prof [...]
 
 For each dump it prints microseconds of CPU per request in each phase of the request path.
 cProfile charges a coroutine's time to it only while it runs, resume by resume, so a phase

@@ -10,8 +10,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..traces import (
+from ...errors import ConfigError
+from ...traces import (
     COMPRESSED,
     DEFAULT_TRACE,
     SHORT_NAMES,

@@ -1,12 +1,12 @@
 """Synthetic prompt text with exactly known token ids, pure.
 
-The simulated vLLM tokenizes text with a stable stand-in tokenizer (``sim/engine/tokenizer.py``): a run
-of letters splits every four characters and each piece maps to a fixed id. Prompts here are
-built from a vocabulary of four-letter words written without spaces, so ``n`` words are exactly
-``n`` tokens whatever is around them, and the ids are known without tokenizing. One
-:class:`Conversation` therefore yields both the chat messages an HTTP client sends and the token
-ids the in-process transport submits, and they agree (tests check it against the simulator's
-own chat template).
+The simulated vLLM tokenizes text with a stable stand-in tokenizer
+(``sim/engine/tokenizer.py``): a run of letters splits every four characters and each piece maps
+to a fixed id. Prompts here are built from a vocabulary of four-letter words written without
+spaces, so ``n`` words are exactly ``n`` tokens whatever is around them, and the ids are known
+without tokenizing. One :class:`Conversation` therefore yields both the chat messages an HTTP
+client sends and the token ids the in-process transport submits, and they agree (tests check it
+against the simulator's own chat template).
 
 What is shared, and what is not:
 - the system message is the same for every program of a workload (the shared prefix);
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..sim.engine.tokenizer import END, START, Tokenizer
+from ...sim.engine.tokenizer import END, START, Tokenizer
 from .workload import StepSpec
 
 #: Distinct words the text is drawn from: enough that 16-token blocks never collide by chance.

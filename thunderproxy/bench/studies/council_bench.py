@@ -7,7 +7,7 @@ their prompts extend what they sent before). Reported per router: the councils' 
 (median and slowest, real seconds at the chosen time scale), the prefix-cache hit rate of the
 member programs' calls (cached ÷ prompt tokens, from the audit db) and the engine's preemptions.
 
-    python -m thunderproxy.bench.council_bench --councils 8 --turns 2 --kv-tokens 12000
+    python -m thunderproxy.bench.studies.council_bench --councils 8 --turns 2 --kv-tokens 12000
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import click
 import httpx
 import trio
 
-from ..config import load_settings
-from ..runtime import RunningProxy, run
-from ..sim import SimConfig
-from ..sim.server import open_simulator
+from ...config import load_settings
+from ...runtime import RunningProxy, run
+from ...sim import SimConfig
+from ...sim.server import open_simulator
 
 MODELS = ("council-alpha", "council-bravo", "council-charlie")
 QUESTIONS = (

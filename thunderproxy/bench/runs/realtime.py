@@ -30,14 +30,15 @@ from typing import Any
 import httpx
 import trio
 
-from ..config import SETTINGS, Settings
-from ..sim import SimConfig
-from . import figures, store
-from .agent import Agents, BenchError, Progress, sticky_round_robin
-from .config import PROXY_ROUTERS, BenchConfig
-from .transport import HttpTransport
+from ...config import SETTINGS, Settings
+from ...sim import SimConfig
+from ..agents.agent import Agents, BenchError, Progress, sticky_round_robin
+from ..agents.transport import HttpTransport
+from ..config import PROXY_ROUTERS, BenchConfig
+from ..report import figures
+from ..workloads.workload import Workload
+from . import store
 from .virtual import TargetResult
-from .workload import Workload
 
 SIM_LISTENING = re.compile(rb" on (http://[^;\s]+);")
 PROXY_LISTENING = re.compile(rb"listening on (http://\S+)")

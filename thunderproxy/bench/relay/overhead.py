@@ -30,12 +30,11 @@ from typing import Any
 import httpx
 import trio
 
-from ..config import load_settings
-from ..errors import ConfigError
-from . import figures, requestcost
-from .agent import BenchError
-from .fastbackend import stamps
-from .realtime import (
+from ...config import load_settings
+from ...errors import ConfigError
+from ..agents.agent import BenchError
+from ..report import figures
+from ..runs.realtime import (
     PROXY_LISTENING,
     SIM_LISTENING,
     Child,
@@ -44,6 +43,8 @@ from .realtime import (
     start_child,
     stop_child,
 )
+from . import requestcost
+from .fastbackend import stamps
 
 CHAT = "/v1/chat/completions"
 
@@ -363,7 +364,7 @@ async def run_overhead(config: OverheadConfig) -> list[Cell]:
                 [
                     sys.executable,
                     "-m",
-                    "thunderproxy.bench.fastbackend",
+                    "thunderproxy.bench.relay.fastbackend",
                     "--chunks",
                     str(config.chunks),
                     "--interval-ms",
@@ -455,12 +456,18 @@ async def start_target(
             argv = requestcost.record_argv(profile, argv)
         return await start_child(nursery, f"thunderproxy ({target})", argv, PROXY_LISTENING)
     if target in ("floor", "floor-trio"):
-        argv = [sys.executable, "-m", "thunderproxy.bench.relay_floor", "--backend", backend]
+        argv = [sys.executable, "-m", "thunderproxy.bench.relay.relay_floor", "--backend", backend]
         if target == "floor-trio":
             argv += ["--server", "trio"]
         return await start_child(nursery, f"{target} relay", argv, PROXY_LISTENING)
     if target == "fastapi":
-        argv = [sys.executable, "-m", "thunderproxy.bench.relay_fastapi", "--backend", backend]
+        argv = [
+            sys.executable,
+            "-m",
+            "thunderproxy.bench.relay.relay_fastapi",
+            "--backend",
+            backend,
+        ]
         return await start_child(nursery, "fastapi relay", argv, PROXY_LISTENING)
     if target == "nginx":
         port = free_port()

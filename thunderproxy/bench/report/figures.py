@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .agent import RunLog
+from ..agents.agent import RunLog
 
 #: The simulator truth counters summed over backends (``/_sim/state`` ``counters``).
 TRUTH_COUNTERS = (

@@ -28,21 +28,21 @@ from typing import Any
 import trio
 from trio.testing import MockClock
 
-from ..audit import AuditLog
-from ..audit.records import AuditRecord, StepRecord, TransitionRecord
-from ..backends import BackendPool
-from ..backends.asgi import EngineBackend
-from ..backends.poller import serve_metrics_poller
-from ..gateway import Gateway
-from ..programs import ProgramRegistry, ProgramStatus
-from ..programs.profile import Profiles
-from ..scheduling import Scheduler, policy_named, serve_resume_monitor
-from ..sim import Engine, truth
-from . import figures
-from .agent import Agents, Progress, RunLog, sticky_round_robin, ungrouped_errors
-from .config import PROXY_ROUTERS, BenchConfig
-from .transport import InProcessTransport
-from .workload import Workload
+from ...audit import AuditLog
+from ...audit.records import AuditRecord, StepRecord, TransitionRecord
+from ...backends import BackendPool
+from ...backends.asgi import EngineBackend
+from ...backends.poller import serve_metrics_poller
+from ...gateway import Gateway
+from ...programs import ProgramRegistry, ProgramStatus
+from ...programs.profile import Profiles
+from ...scheduling import Scheduler, policy_named, serve_resume_monitor
+from ...sim import Engine, truth
+from ..agents.agent import Agents, Progress, RunLog, sticky_round_robin, ungrouped_errors
+from ..agents.transport import InProcessTransport
+from ..config import PROXY_ROUTERS, BenchConfig
+from ..report import figures
+from ..workloads.workload import Workload
 
 
 @dataclass

@@ -8,7 +8,7 @@ a backend that answers at once from memory with the fast backend's 32 chunks and
 relay with its usage tap, and the call's close (lease, audit record, statistics). It reports
 the main thread's CPU per call, and up to the first chunk, as the median of ``--rounds``:
 
-    python -m thunderproxy.bench.callcost --router default --programs 32 --history 200
+    python -m thunderproxy.bench.relay.callcost --router default --programs 32 --history 200
 
 ``--history N`` sends an agent's body: N messages of about a kilobyte each and 20 tool
 definitions (about 222 KB at 200), instead of one 4 KB message.
@@ -33,20 +33,20 @@ from typing import Any
 
 import trio
 
-from ..audit import AuditLog
-from ..audit.records import AuditRecord, TransitionRecord
-from ..backends import EngineSnapshot, UpstreamRequest, open_backend_pool
-from ..backends.h1 import H1Pool, H1Response
-from ..gateway import Gateway
-from ..http.edges import Edges
-from ..http.proxy import run_cleanups
-from ..programs import ProgramRegistry
-from ..programs.profile import Profiles
-from ..protocols import Protocol
-from ..protocols.recognition import ProgramRecognizer
-from ..scheduling import Scheduler, policy_named
-from ..scheduling.policy import PolicyConfig
-from ..statistics import Counters
+from ...audit import AuditLog
+from ...audit.records import AuditRecord, TransitionRecord
+from ...backends import EngineSnapshot, UpstreamRequest, open_backend_pool
+from ...backends.h1 import H1Pool, H1Response
+from ...gateway import Gateway
+from ...http.edges import Edges
+from ...http.proxy import run_cleanups
+from ...programs import ProgramRegistry
+from ...programs.profile import Profiles
+from ...protocols import Protocol
+from ...protocols.recognition import ProgramRecognizer
+from ...scheduling import Scheduler, policy_named
+from ...scheduling.policy import PolicyConfig
+from ...statistics import Counters
 from .fastbackend import chunk_payloads
 
 CHAT = "/v1/chat/completions"

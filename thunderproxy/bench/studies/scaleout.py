@@ -1,7 +1,7 @@
 """Scale-out: several proxy processes in front of the same backends, sharing tr's state through
 Redis, against one process and against processes that share nothing.
 
-    python -m thunderproxy.bench.scaleout [--streams 256] [--steps 3] [--backends 2]
+    python -m thunderproxy.bench.studies.scaleout [--streams 256] [--steps 3] [--backends 2]
         [--kv-tokens 32768] [--arrangements one,shared,apart] [--json FILE]
 
 Per arrangement, a fresh set of simulated vLLM backends (``thunderproxy sim`` processes) and of
@@ -46,10 +46,10 @@ from typing import Any
 import httpx
 import trio
 
-from ..scaleout import worker_db
-from ..sim import SimConfig
-from .agent import BenchError
-from .realtime import (
+from ...scaleout import worker_db
+from ...sim import SimConfig
+from ..agents.agent import BenchError
+from ..runs.realtime import (
     PROXY_LISTENING,
     SIM_LISTENING,
     Child,

@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 MISSING = (
     "--sweep draws its plot with matplotlib, which is not installed; install the optional "

@@ -9,7 +9,7 @@ times to get the two hops without the backend's own wait (``stamps``). It answer
 /metrics (a vLLM ``cache_config_info`` with a large capacity, so ``tr`` never pauses) and
 /v1/models.
 
-    python -m thunderproxy.bench.fastbackend --port 0 --chunks 32 --interval-ms 20
+    python -m thunderproxy.bench.relay.fastbackend --port 0 --chunks 32 --interval-ms 20
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ returning program's path) and calls of new programs (the admission path). Report
 latency p50/p99 of each kind and its ratio to the fresh proxy, and the memory each idle program
 costs (resident set growth while adding them, divided by their number).
 
-    python -m thunderproxy.bench.scale --programs 10000,50000 --rounds 5 --calls 60
+    python -m thunderproxy.bench.studies.scale --programs 10000,50000 --rounds 5 --calls 60
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ import click
 import httpx
 import trio
 
-from ..audit import AuditLog
-from ..audit.records import AuditRecord, TransitionRecord
-from ..backends import BackendPool, EngineSnapshot, UpstreamRequest, UpstreamResponse
-from ..config import PolicyConfig, load_settings
-from ..programs import ProgramRegistry, StepUsage
-from ..runtime import RunningProxy, run
-from ..scheduling import Scheduler, policy_named
-from ..sim import SimConfig, serve_simulator
-from . import figures
+from ...audit import AuditLog
+from ...audit.records import AuditRecord, TransitionRecord
+from ...backends import BackendPool, EngineSnapshot, UpstreamRequest, UpstreamResponse
+from ...config import PolicyConfig, load_settings
+from ...programs import ProgramRegistry, StepUsage
+from ...runtime import RunningProxy, run
+from ...scheduling import Scheduler, policy_named
+from ...sim import SimConfig, serve_simulator
+from ..report import figures
 
 #: How long ago the idle programs' last call ended (their KV claim has long decayed).
 IDLE_FOR_S = 120.0

@@ -6,7 +6,7 @@ relayed as it arrives through a ``StreamingResponse``; nothing is parsed, schedu
 It is what a relay costs with the least work a proxy can do on this stack, so thunderproxy's
 figures beside it show what its own work (usage, scheduling, audit) and its stack add.
 
-    python -m thunderproxy.bench.relay_fastapi --backend http://127.0.0.1:8001 --port 0
+    python -m thunderproxy.bench.relay.relay_fastapi --backend http://127.0.0.1:8001 --port 0
 
 Needs the ``bench`` extra (``pip install 'thunderproxy[bench]'``).
 """

@@ -24,14 +24,14 @@ from typing import Any
 
 import trio
 
-from ..config import load_settings
-from ..explore.links import dashboard_url
-from ..runtime import open_demo
-from .config import DEFAULT_PROFILE, TIME_SETTINGS, BenchConfig, DemoConfig
+from ...config import load_settings
+from ...explore.links import dashboard_url
+from ...runtime import open_demo
+from ..config import DEFAULT_PROFILE, TIME_SETTINGS, BenchConfig, DemoConfig
+from ..workloads.workload import Workload
 from .harness import run_bench, workload_for
 from .progress import ProgressBar
 from .virtual import TargetResult
-from .workload import Workload
 
 #: KV capacity as a fraction of what the concurrent programs would hold: 2.5x oversubscribed,
 #: the regime tr is for (on this workload ``bench --virtual`` has tr ahead of default on both

@@ -20,9 +20,9 @@ from typing import Protocol
 
 import trio
 
-from ..errors import ThunderproxyError
-from .prompts import BlockText, Conversation, Vocabulary, system_prompt
-from .workload import ProgramSpec, Workload, poisson_arrivals
+from ...errors import ThunderproxyError
+from ..workloads.prompts import BlockText, Conversation, Vocabulary, system_prompt
+from ..workloads.workload import ProgramSpec, Workload, poisson_arrivals
 
 ARRIVALS = ("closed", "poisson", "trace")
 #: Attempts per call before the program is abandoned, and the pause between them (simulated s).

@@ -5,7 +5,7 @@ stream, ``--streams`` at a time, in this process: first through one ``httpx.Asyn
 (``aiter_raw``), then as raw HTTP/1.1 on trio sockets (one request written, reads until the
 chunked body's end), alternating ``--repeat`` times. Prints this process's CPU per read.
 
-    python -m thunderproxy.bench.readcost --streams 32 --rounds 4 --repeat 2
+    python -m thunderproxy.bench.relay.readcost --streams 32 --rounds 4 --repeat 2
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import trio
 
-from .realtime import SIM_LISTENING, start_child, stop_child
+from ..runs.realtime import SIM_LISTENING, start_child, stop_child
 
 BODY = b'{"model":"fast","messages":[{"role":"user","content":"hi"}],"stream":true}'
 PATH = "/v1/chat/completions"
@@ -85,7 +85,7 @@ async def main(streams: int, rounds: int, repeat: int) -> None:
         ("trio socket", on_a_socket),
     ]
     async with trio.open_nursery() as nursery:
-        argv = [sys.executable, "-m", "thunderproxy.bench.fastbackend"]
+        argv = [sys.executable, "-m", "thunderproxy.bench.relay.fastbackend"]
         backend = await start_child(nursery, "fast backend", argv, SIM_LISTENING)
         try:
             for _ in range(repeat):

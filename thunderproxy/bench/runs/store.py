@@ -14,11 +14,11 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .. import __version__
-from ..audit.records import AuditRecord
-from ..audit.writer import open_database
+from ... import __version__
+from ...audit.records import AuditRecord
+from ...audit.writer import open_database
+from ..workloads.workload import Workload
 from .virtual import TargetResult
-from .workload import Workload
 
 RESULT_COLUMNS = (
     "steps_per_min",

@@ -6,7 +6,7 @@ one after another through it, on a KV cache about half of what they need togethe
 the sink accepts is printed as one row: the programs running, acting and paused, KV demand over
 capacity, how long waiting calls have waited, and the workload figures the autoscaler gets.
 
-    python -m thunderproxy.bench.worker_signals [--programs 24] [--rate 0.25]
+    python -m thunderproxy.bench.studies.worker_signals [--programs 24] [--rate 0.25]
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from ..config import load_settings
-from ..runtime import RunningProxy, run
-from ..sim import serve_simulator
-from .agent import Agents, Schedule
-from .config import DEFAULT_PROFILE, TIME_SETTINGS, BenchConfig
-from .demo import demo_kv_tokens
-from .harness import workload_for
-from .transport import HttpTransport
+from ...config import load_settings
+from ...runtime import RunningProxy, run
+from ...sim import serve_simulator
+from ..agents.agent import Agents, Schedule
+from ..agents.transport import HttpTransport
+from ..config import DEFAULT_PROFILE, TIME_SETTINGS, BenchConfig
+from ..runs.demo import demo_kv_tokens
+from ..runs.harness import workload_for
 
 HEADER = (
     f"{'t_s':>6} {'run':>4} {'act':>4} {'paus':>4} {'demand_tok':>10} {'capacity':>9} "

@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from ..errors import ConfigError
-from .config import BenchConfig
-from .workload import Workload
+from ...errors import ConfigError
+from ..config import BenchConfig
+from ..workloads.workload import Workload
 
 #: The candidate passes with at least this share of the best baseline's steps/min ...
 MIN_STEPS_RATIO = 0.98
@@ -94,8 +94,8 @@ def poisson_rate(workload: Workload, config: BenchConfig, load: float) -> float:
     the cache holds, were each to take as long as it would alone on an idle engine (Little's
     law: in flight = rate x time in the system). The cache holds ``kv / mean context``
     programs; a program alone takes its tool gaps plus one decode step per output token."""
-    from ..sim import PROFILES
-    from ..sim.engine.timing import batch_shape, step_seconds
+    from ...sim import PROFILES
+    from ...sim.engine.timing import batch_shape, step_seconds
 
     profile = PROFILES[config.profile]
     kv = config.kv_tokens or profile.kv_capacity_tokens

@@ -15,14 +15,15 @@ from typing import Any
 
 import trio
 
-from .. import __version__
-from . import figures, realtime, store, virtual
-from .agent import ungrouped_errors
-from .config import BenchConfig, offloads
+from ... import __version__
+from ..agents.agent import ungrouped_errors
+from ..config import BenchConfig, offloads
+from ..report import figures
+from ..workloads.traces import load_workload
+from ..workloads.workload import Workload
+from . import realtime, store, virtual
 from .progress import ProgressBar
-from .traces import load_workload
 from .virtual import TargetResult
-from .workload import Workload
 
 #: The figures the summary table and the docs show (``--json`` has every figure).
 SUMMARY_KEYS = (

@@ -6,7 +6,7 @@ import sys
 import time
 from typing import TextIO
 
-from .agent import RunLog
+from ..agents.agent import RunLog
 
 #: Least wall seconds between two redraws: a virtual run updates thousands of times a second.
 REDRAW_S = 0.2

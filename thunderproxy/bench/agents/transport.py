@@ -17,13 +17,13 @@ from typing import Any
 import httpx
 import trio
 
-from ..backends import Backend, UpstreamRequest
-from ..errors import ProgramUnknown, ThunderproxyError, describe
-from ..gateway import Call, Gateway
-from ..http.sse import OPENAI
-from ..sim.engine.tokenizer import Tokenizer
+from ...backends import Backend, UpstreamRequest
+from ...errors import ProgramUnknown, ThunderproxyError, describe
+from ...gateway import Call, Gateway
+from ...http.sse import OPENAI
+from ...sim.engine.tokenizer import Tokenizer
+from ..workloads.prompts import Conversation
 from .agent import CallResult
-from .prompts import Conversation
 
 ENDPOINT = "/v1/chat/completions"
 RELEASE_TIMEOUT_S = 10.0

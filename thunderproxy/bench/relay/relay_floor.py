@@ -10,8 +10,8 @@ Whatever CPU this spends per request and per chunk is what the server (Hypercorn
 the upstream client cost on their own; thunderproxy's figures beside it show how much of its
 overhead is its own work and how much this stack's.
 
-    python -m thunderproxy.bench.relay_floor --backend http://127.0.0.1:8001 --port 0
-    python -m thunderproxy.bench.relay_floor --backend http://127.0.0.1:8001 --server trio
+    python -m thunderproxy.bench.relay.relay_floor --backend http://127.0.0.1:8001 --port 0
+    python -m thunderproxy.bench.relay.relay_floor --backend http://127.0.0.1:8001 --server trio
 
 The trio server reads a request head and a ``Content-Length`` body and answers chunked, on
 keep-alive connections: what the bench's client sends, nothing more. It is a measurement, not
@@ -31,8 +31,8 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from ..backends.base import UpstreamRequest
-from ..backends.h1 import H1Pool
+from ...backends.base import UpstreamRequest
+from ...backends.h1 import H1Pool
 
 #: Request headers not passed on (the client writes its own).
 _DROP = frozenset({b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive"})
