@@ -20,9 +20,6 @@ import os
 import signal
 import sys
 import threading
-from functools import partial
-
-import trio
 
 #: The exit status that says a query overran its time limit inside one SQLite instruction.
 EXIT_OVERRUN = 75
@@ -69,8 +66,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from .instance import SETTINGS, build_datasette
     from .limits import QueryClock
-    from .server import hypercorn_config, serve_datasette
-    from .standalone import with_root_redirect
+    from .server import hypercorn_config
+    from .standalone import run_explorer
 
     limit_ms: int = args.time_limit_ms or SETTINGS["sql_time_limit_ms"]
     ds = build_datasette(args.db, QueryClock(limit_ms / 1000, overrun), time_limit_ms=limit_ms)
@@ -87,16 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.flush()
         os.dup2(2, 1)  # nothing else goes to the pipe the proxy read "ready" from
 
-    trio.run(
-        partial(
-            serve_datasette,
-            ds,
-            config,
-            sql_threads=SETTINGS["num_sql_threads"],
-            wrap=with_root_redirect,
-            ready=ready,
-        )
-    )
+    run_explorer(ds, config, ready)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,13 @@ def serve_standalone(
         if ready is not None:
             ready(url)
 
+    run_explorer(ds, config, started)
+
+
+def run_explorer(ds: Any, config: Any, ready: Callable[[list[str]], None]) -> None:
+    """Serve the Datasette ``ds`` as the explorer serves it (its SQL threads, ``/`` redirected
+    to the audit db) on Hypercorn as ``config`` binds it, until SIGTERM or SIGINT; ``ready`` once
+    it listens. The proxy's explorer process and ``thunderproxy explore`` both run this."""
     trio.run(
         partial(
             serve_datasette,
@@ -77,6 +84,6 @@ def serve_standalone(
             config,
             sql_threads=SETTINGS["num_sql_threads"],
             wrap=with_root_redirect,
-            ready=started,
+            ready=ready,
         )
     )
