@@ -16,8 +16,11 @@ async def test_whole_calls_are_measured_with_their_first_chunk(router: str) -> N
 
 async def test_per_chunk_mode_relays_through_the_h1_client_and_prices_one_chunk() -> None:
     result = await measure("default", programs=2, rounds=3, history=0, per_chunk=True, chunks=8)
-    # One more chunk costs something, and far less than a whole call.
-    assert 0 < result["cpu_per_chunk_us"] < result["cpu_per_call_us"] / 4
+    # One more chunk costs far less than a whole call. The chunk's price is a difference of two
+    # CPU readings, which noise on a busy machine can push to or below zero: only its bound is
+    # checked, not its sign.
+    assert result["cpu_per_call_us"] > 0
+    assert result["cpu_per_chunk_us"] < result["cpu_per_call_us"] / 4
 
 
 @pytest.mark.parametrize("router", ["default", "tr"])

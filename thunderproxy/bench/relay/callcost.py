@@ -28,6 +28,7 @@ import json
 import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -160,14 +161,11 @@ def body(program: int | None, history: int) -> bytes:
     return json.dumps(payload).encode()
 
 
-async def measure_one_shot(router: str, before: int, batches: int, batch: int) -> list[float]:
-    """CPU per call of one-shot calls without a program id (plain SDK traffic: each call is a
-    new ``auto-...`` program that never calls again), in ``batches`` of ``batch`` calls after
-    ``before`` such calls: whether what a call costs grows with the programs seen."""
-    send, receive = trio.open_memory_channel[AuditRecord](1_000_000)
-    audit = AuditLog(send, run_id=1)
+@asynccontextmanager
+async def in_process_edges(router: str, backend: Any, audit: AuditLog) -> AsyncIterator[Edges]:
+    """The protocol edges over a real gateway and scheduler (``router``) with ``backend`` as
+    the one backend of model ``fast``: a call's whole path in the proxy, with no sockets."""
     async with open_backend_pool() as pool:
-        backend = _Backend(32)
         node = pool.attach("http://in-process", backend, models=["fast"])
         node.snapshot = _snapshot()
         scheduler = Scheduler(
@@ -177,7 +175,16 @@ async def measure_one_shot(router: str, before: int, batches: int, batch: int) -
             audit=audit,
         )
         gateway = Gateway(pool=pool, scheduler=scheduler, audit=audit, profiles=Profiles())
-        edges = Edges(gateway=gateway, recognizer=ProgramRecognizer())
+        yield Edges(gateway=gateway, recognizer=ProgramRecognizer())
+
+
+async def measure_one_shot(router: str, before: int, batches: int, batch: int) -> list[float]:
+    """CPU per call of one-shot calls without a program id (plain SDK traffic: each call is a
+    new ``auto-...`` program that never calls again), in ``batches`` of ``batch`` calls after
+    ``before`` such calls: whether what a call costs grows with the programs seen."""
+    send, receive = trio.open_memory_channel[AuditRecord](1_000_000)
+    audit = AuditLog(send, run_id=1)
+    async with in_process_edges(router, _Backend(32), audit) as edges:
         raw = body(None, 0)  # the same prompt each time: never a continuation, always new
 
         async def call() -> None:
@@ -212,7 +219,8 @@ async def measure_one_shot(router: str, before: int, batches: int, batch: int) -
                 await call()
             out.append((time.thread_time() - started) / batch)
             drain()
-        assert len(scheduler.registry) >= before + batches * batch, "calls were not one-shot"
+        registry = edges.gateway.scheduler.registry
+        assert len(registry) >= before + batches * batch, "calls were not one-shot"
         return out
 
 
@@ -245,18 +253,8 @@ async def measure(
     audit = AuditLog(send, run_id=1)
     counters = Counters()
     audit.observers.append(counters.observe)
-    async with open_backend_pool() as pool:
-        backend = _Backend(chunks, framed=per_chunk)
-        node = pool.attach("http://in-process", backend, models=["fast"])
-        node.snapshot = _snapshot()
-        scheduler = Scheduler(
-            policy=policy_named(router, PolicyConfig()),
-            registry=ProgramRegistry(lambda t: audit.record(TransitionRecord(t))),
-            pool=pool,
-            audit=audit,
-        )
-        gateway = Gateway(pool=pool, scheduler=scheduler, audit=audit, profiles=Profiles())
-        edges = Edges(gateway=gateway, recognizer=ProgramRecognizer())
+    backend = _Backend(chunks, framed=per_chunk)
+    async with in_process_edges(router, backend, audit) as edges:
         bodies = [body(i, history) for i in range(programs)]
         first: list[float] = []
 
