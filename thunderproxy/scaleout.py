@@ -152,6 +152,9 @@ class Supervisor:
         self.serving: set[int] = set()
         self._said = b""
         self.stopping = False
+        #: The signal that stopped the workers, logged once by the main loop.
+        self.stopped_by: int | None = None
+        self.said_stopping = False
         self.ready_logged = False
         self.failed = 0
 
@@ -180,18 +183,26 @@ class Supervisor:
         self.workers[pid] = k
 
     def on_signal(self, signum: int, frame: object) -> None:
-        if not self.stopping:
-            log.info(
-                "%s: stopping %d workers (each drains its requests first)",
-                signal.Signals(signum).name,
-                len(self.workers),
-            )
+        # A signal handler runs inside whatever the main thread was doing, a write to stderr
+        # included: it must not log (a re-entrant write to the same stream raises, and the
+        # workers would never be told). The main loop says it (``say_stopping``).
+        if self.stopped_by is None:
+            self.stopped_by = signum
         self.stopping = True
         for pid in self.workers:
             try:
                 os.kill(pid, signum)  # a second signal stops them at once, as it does one proxy
             except ProcessLookupError:
                 pass
+
+    def say_stopping(self) -> None:
+        if self.stopped_by is not None and not self.said_stopping:
+            self.said_stopping = True
+            log.info(
+                "%s: stopping %d workers (each drains its requests first)",
+                signal.Signals(self.stopped_by).name,
+                len(self.workers),
+            )
 
     def stop(self) -> None:
         self.on_signal(signal.SIGTERM, None)
@@ -266,8 +277,10 @@ class Supervisor:
             )
         self.ready_logged = True
         while self.workers:
+            self.say_stopping()
             self.read_ready()
             self.reap()
+        self.say_stopping()
         self.holder.close()
         return self.failed
 
