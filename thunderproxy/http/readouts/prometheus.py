@@ -9,7 +9,7 @@ proxies in one process (tests, the bench) never see each other's metrics.
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
@@ -140,35 +140,29 @@ class _SnapshotCollector(Collector):
                 sum_value=histogram.sum,
             )
 
-        refusals = CounterMetricFamily(
-            f"{PREFIX}_refusals",
+        yield _counters(
+            "refusals",
             "Calls the proxy refused before any backend saw them (unknown model, admission "
             "limits, not ready, no healthy backend, bad request), by reason and HTTP status.",
-            labels=["reason", "status"],
+            ["reason", "status"],
+            s.refusals.items(),
         )
-        for (reason, status), n in sorted(s.refusals.items()):
-            refusals.add_metric([reason, status], n)
-        yield refusals
 
-        calls = CounterMetricFamily(
-            f"{PREFIX}_calls",
+        yield _counters(
+            "calls",
             "Finished LLM calls, by model (as the client named it), backend and HTTP status; "
             "backend 'none': the client left while the call waited.",
-            labels=["model", "backend", "status"],
+            ["model", "backend", "status"],
+            s.calls.items(),
         )
-        for (model, url, status), n in sorted(s.calls.items()):
-            calls.add_metric([model, url, status], n)
-        yield calls
 
-        tokens = CounterMetricFamily(
-            f"{PREFIX}_tokens",
+        yield _counters(
+            "tokens",
             "Tokens the backends reported, by model, backend and kind (prompt, completion; "
             "cached: the part of the prompt served from the prefix cache).",
-            labels=["model", "backend", "kind"],
+            ["model", "backend", "kind"],
+            s.tokens.items(),
         )
-        for (model, url, kind), n in sorted(s.tokens.items()):
-            tokens.add_metric([model, url, kind], n)
-        yield tokens
 
         call_seconds = HistogramMetricFamily(
             f"{PREFIX}_call_seconds",
@@ -187,6 +181,16 @@ class _SnapshotCollector(Collector):
         )
         build.add_metric([__version__, platform.python_version()], 1.0)
         yield build
+
+
+def _counters(
+    name: str, help_text: str, labels: list[str], counts: Iterable[tuple[tuple[str, ...], float]]
+) -> CounterMetricFamily:
+    """One counter family, a sample per (label values, count) of ``counts``, sorted."""
+    family = CounterMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
+    for values, n in sorted(counts):
+        family.add_metric(list(values), n)
+    return family
 
 
 def _buckets(histogram: HistogramSnapshot) -> list[tuple[str, float]]:
