@@ -13,6 +13,8 @@ with an ``observe`` that returns the next one, and reads no clock and does no I/
 - :class:`Saturation` counts the seconds a backend's engine was seen full (its running calls'
   KV near its capacity, or calls already queued in it): a call held in the proxy meanwhile
   would have waited in the engine's queue instead (the hold ledger, costs.py).
+- :class:`CallTime` is how long one backend's calls take, sent to last byte: what its resume
+  rounds are spaced by where calls are short (policy.resume_cooldown).
 """
 
 from __future__ import annotations
@@ -157,3 +159,21 @@ class Saturation:
         if not self.full or self.last_at is None or now <= self.last_at:
             return self.full_s
         return self.full_s + (now - self.last_at)
+
+
+#: Weight of the newest call in :class:`CallTime`'s moving mean (about the last 32 calls).
+CALL_TIME_WEIGHT = 1 / 32
+
+
+@dataclass(frozen=True)
+class CallTime:
+    """A moving mean of one backend's call durations (sent to last byte, seconds)."""
+
+    seconds: float | None = None
+
+    def observe(self, seconds: float) -> CallTime:
+        if seconds < 0:
+            return self
+        if self.seconds is None:
+            return CallTime(seconds)
+        return CallTime(self.seconds + CALL_TIME_WEIGHT * (seconds - self.seconds))

@@ -445,6 +445,17 @@ def settled(b: BackendView, bound: int | None, cfg: PolicyConfig, now: float) ->
     return bound is not None and bound <= cap
 
 
+def resume_cooldown(b: BackendView, cfg: PolicyConfig) -> float:
+    """Seconds between two resume rounds on ``b``: ``resume_cooldown_s``, or one call's length
+    where the backend's calls are shorter. Rounds are spaced so that a round's resumes show in
+    the engine before the next round looks, and they show within a call. Councils' calls last
+    about a second: spaced by the full 5 s, the cache stood nearly empty for seconds while
+    their returning members waited for the next round."""
+    if b.call_s is None:
+        return cfg.resume_cooldown_s
+    return min(cfg.resume_cooldown_s, b.call_s)
+
+
 def fits_on_return(
     p: ProgramView, b: BackendView, bound: int, cfg: PolicyConfig, now: float
 ) -> Decision | None:
@@ -489,7 +500,7 @@ def resume(
     ready = {
         b.url
         for b in healthy
-        if b.last_resume_at is None or now - b.last_resume_at >= cfg.resume_cooldown_s
+        if b.last_resume_at is None or now - b.last_resume_at >= resume_cooldown(b, cfg)
     }
     paused = [p for p in programs if p.status is ProgramStatus.PAUSED]
     waiting = sorted(

@@ -528,6 +528,8 @@ class Scheduler:
         lease.node.in_flight -= 1
         program = lease.program
         self._observe_costs(lease, usage, first_token_at)
+        schedule = self.schedule_of(lease.node.url)
+        schedule.call_time = schedule.call_time.observe(now - lease.sent_at)
         tracked = program.program_id in self.registry
         if tracked:
             self.registry.end_step(program, now, usage, reason=reason)

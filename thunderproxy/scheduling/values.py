@@ -74,6 +74,8 @@ class BackendView:
     #: The rule a call let through without holding is logged under: ``hold_does_not_pay``
     #: (measured), or ``few_returns`` (fewer than half the programs come back: costs.py).
     unheld_rule: str = "hold_does_not_pay"
+    #: How long the backend's calls take lately (learners.CallTime; None: none ended yet).
+    call_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from ..errors import ModelNotFound, NoBackendAvailable
 from ..programs import Program, ProgramRegistry, ProgramStatus
 from .claims import holds
 from .costs import HoldLedger
-from .learners import CapacityFactor, Saturation, SharedPrefix
+from .learners import CallTime, CapacityFactor, Saturation, SharedPrefix
 from .placement import Candidate, choose_backend
 from .policies import Views
 from .policy import MAX_KEEP_S, BackendView, PolicyConfig, ProgramView, decay, used_tokens
@@ -37,6 +37,8 @@ class BackendSchedule:
     #: How long its engine was seen full: what of a held call's wait it would have spent in the
     #: engine's queue without holding (learners.Saturation, costs.HoldLedger).
     saturation: Saturation = Saturation()
+    #: How long its calls take (policy.round_cooldown spaces resume rounds by it).
+    call_time: CallTime = CallTime()
 
 
 class ViewSource:
@@ -104,6 +106,7 @@ class ViewSource:
                     unheld_rule=unheld,
                     gpu_tokens=schedule.capacity_tokens if gate.spill_tokens else None,
                     prefill_s_per_token=schedule.hold.prefill_s_per_token,
+                    call_s=schedule.call_time.seconds,
                 )
             )
         return views

@@ -154,7 +154,9 @@ def bench_command(config: BenchConfig) -> str:
 
 
 #: SWE-agent cells replay the first 32 programs of the trace (about 1,440 calls), so that the
-#: whole suite runs in about an hour on two busy cores.
+#: whole suite runs in about an hour on two busy cores; cells of more agents replay one program
+#: per agent (with 32 programs, 64 agents would start every program at once, as 32 do, and the
+#: cell would repeat the 32-agent one figure for figure).
 SWE_PROGRAMS = 32
 
 
@@ -162,7 +164,7 @@ def _swe(agents: int, kv: int, **more: Any) -> BenchConfig:
     return BenchConfig(
         trace="thunderagent",
         virtual=True,
-        programs=SWE_PROGRAMS,
+        programs=max(SWE_PROGRAMS, agents),
         concurrency=agents,
         kv_tokens=kv,
         **more,
@@ -234,7 +236,7 @@ def full_cells() -> list[Cell]:
             "prefix13k",
             "SWE-agent, 32 agents, 432K, 13K shared prefix, answers carried at 0.3, no release",
             _swe(32, 432_000, shared_prefix_tokens=13_000, carry_answer=0.3, release=False),
-            _arms(),
+            _arms(bound=True),
         )
     )
     for agents in (32, 64):
