@@ -6,6 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from thunderproxy.scheduling.learners import (
+    CALL_TIME_WEIGHT,
+    CallTime,
     MAX_OVERHEAD_TOKENS,
     CapacityFactor,
     PromptSizer,
@@ -69,3 +71,16 @@ def test_capacity_backs_off_on_preemptions_and_recovers() -> None:
     assert abs(factor.factor - 0.92) < 1e-9
     factor = factor.observe(3)  # the engine restarted: its counter reset
     assert abs(factor.factor - 0.92) < 1e-9
+
+
+def test_call_time_is_a_moving_mean_of_the_backends_calls() -> None:
+    assert CallTime().seconds is None
+    first = CallTime().observe(2.0)
+    assert first.seconds == 2.0  # the first call is all it knows
+    assert first.observe(-1.0) == first  # a clock that went back teaches nothing
+    second = first.observe(10.0)
+    assert second.seconds == 2.0 + CALL_TIME_WEIGHT * 8.0
+    steady = CallTime()
+    for _ in range(500):
+        steady = steady.observe(1.0)
+    assert steady.seconds is not None and abs(steady.seconds - 1.0) < 1e-9

@@ -441,3 +441,18 @@ async def test_a_call_past_half_its_bound_takes_freed_room_without_waiting_for_t
         assert ("queue", "late", "capacity_full") in decisions
         assert ("resume", "late", "capacity_free") in decisions
         assert not [d for d in decisions if d[0] == "force_resume"]
+
+
+async def test_the_backends_call_time_is_learned_from_its_calls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # What spaces resume rounds where calls are short (policy.resume_cooldown): the calls'
+    # own time on the backend, sent to last byte, not their wait in the proxy.
+    async with open_harness(CFG) as harness:
+        sched = harness.scheduler
+        assert sched.views().backend(B0).call_s is None
+        for seconds in (2.0, 2.0):
+            lease = await begin(sched, "p", arrived_at=trio.current_time(), context_chars=400)
+            await trio.sleep(seconds)
+            end(sched, lease, 200, StepUsage(90, 10, 0))
+        assert sched.views().backend(B0).call_s == 2.0

@@ -141,6 +141,29 @@ def test_a_call_past_half_its_bound_takes_its_room_through_the_resume_cooldown()
     assert policy.resume([backend(last_resume_at=44.0)], [early, busy], cfg, now=50.0)
 
 
+def test_resume_rounds_are_a_call_apart_where_calls_are_shorter_than_the_cooldown() -> None:
+    # Councils' calls last about a second: with rounds 5 s apart, their returning members
+    # waited seconds beside a nearly empty cache. Where calls are that short, a round comes a
+    # call after the last; where they are longer (SWE-agent calls: 18 s), the cooldown stays.
+    cfg = replace(CFG, resume_cooldown_s=5.0)
+    waiting = prog("member", P, 1_000, waiting_since=49.0, paused_since=49.0, steps=1)
+    busy = prog("busy", R, 2_000)
+    unknown = backend(last_resume_at=48.5)
+    assert policy.resume_cooldown(unknown, cfg) == 5.0  # no call has ended yet
+    assert policy.resume([unknown], [waiting, busy], cfg, now=50.0) == []
+    slow = backend(last_resume_at=48.5, call_s=18.0)
+    assert policy.resume_cooldown(slow, cfg) == 5.0
+    assert policy.resume([slow], [waiting, busy], cfg, now=50.0) == []
+    quick = backend(last_resume_at=48.5, call_s=1.0)
+    assert policy.resume_cooldown(quick, cfg) == 1.0
+    resumed = policy.resume([quick], [waiting, busy], cfg, now=50.0)
+    assert [(d.action, d.program_id, d.rule) for d in resumed] == [
+        (Action.RESUME, "member", "capacity_free")
+    ]
+    # Within a call of the last round it still waits.
+    assert policy.resume([quick], [waiting, busy], cfg, now=49.0) == []
+
+
 def test_make_room_at_once_pauses_for_a_call_past_half_its_bound_through_the_cooldown() -> None:
     cfg = replace(CFG, pause_cooldown_s=5.0)
     head = prog("head", P, 3_000, waiting_since=0.0, paused_since=0.0, steps=3)

@@ -169,7 +169,7 @@ class PolicyConfig:
     resume_cooldown_s: float = setting(
         5.0 * SECONDS,
         "tr: seconds between two resume rounds on one backend (RESUME_COOLDOWN in ThunderAgent's "
-        "router).",
+        "router), or one of its calls' length where they are shorter.",
         flag="--resume-cooldown",
     )
     tool_coefficient: float = setting(
