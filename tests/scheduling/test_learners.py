@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from thunderproxy.scheduling.learners import (
     CALL_TIME_WEIGHT,
-    CallTime,
     MAX_OVERHEAD_TOKENS,
+    CallTime,
     CapacityFactor,
     PromptSizer,
     SharedPrefix,
@@ -83,4 +83,5 @@ def test_call_time_is_a_moving_mean_of_the_backends_calls() -> None:
     steady = CallTime()
     for _ in range(500):
         steady = steady.observe(1.0)
-    assert steady.seconds is not None and abs(steady.seconds - 1.0) < 1e-9
+    assert steady.seconds is not None
+    assert abs(steady.seconds - 1.0) < 1e-9
