@@ -81,6 +81,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..config import PolicyConfig
+from .learners import moving_mean
 
 #: Weight of a new observation in the moving means (about the last 64 observations).
 ALPHA = 1.0 / 64
@@ -130,7 +131,7 @@ def horizon_s(cfg: PolicyConfig) -> float:
 
 
 def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else old + ALPHA * (new - old)
+    return moving_mean(old, new, ALPHA)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,12 @@ def _clamp(value: float, low: float, high: float) -> float:
     return max(low, min(high, value))
 
 
+def moving_mean(old: float | None, new: float, weight: float) -> float:
+    """An exponentially weighted mean after ``new``, which weighs ``weight`` (None: no
+    observation yet, and ``new`` is all it knows)."""
+    return new if old is None else old + weight * (new - old)
+
+
 @dataclass(frozen=True)
 class PromptSizer:
     """Recent ``(chars, prompt_tokens)`` of one model's calls and the fit they give.
@@ -174,6 +180,4 @@ class CallTime:
     def observe(self, seconds: float) -> CallTime:
         if seconds < 0:
             return self
-        if self.seconds is None:
-            return CallTime(seconds)
-        return CallTime(self.seconds + CALL_TIME_WEIGHT * (seconds - self.seconds))
+        return CallTime(moving_mean(self.seconds, seconds, CALL_TIME_WEIGHT))

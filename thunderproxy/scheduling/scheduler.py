@@ -539,7 +539,6 @@ class Scheduler:
             )
         if lease.step == 1 and usage.cached_tokens is not None:
             # A first call can only hit what other programs left: the shared prefix.
-            schedule = self.schedule_of(lease.node.url)
             schedule.shared_prefix = schedule.shared_prefix.observe(usage.cached_tokens)
         if not tracked:
             return True

@@ -37,7 +37,7 @@ class BackendSchedule:
     #: How long its engine was seen full: what of a held call's wait it would have spent in the
     #: engine's queue without holding (learners.Saturation, costs.HoldLedger).
     saturation: Saturation = Saturation()
-    #: How long its calls take (policy.round_cooldown spaces resume rounds by it).
+    #: How long its calls take (policy.resume_cooldown spaces resume rounds by it).
     call_time: CallTime = CallTime()
 
 
