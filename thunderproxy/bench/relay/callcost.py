@@ -178,6 +178,36 @@ async def in_process_edges(router: str, backend: Any, audit: AuditLog) -> AsyncI
         yield Edges(gateway=gateway, recognizer=ProgramRecognizer())
 
 
+async def _call(edges: Edges, raw: bytes, first: list[float] | None = None) -> None:
+    """One call through the edges, its answer read to the end; with ``first``, the CPU time
+    to its first chunk is appended there."""
+    scope: dict[str, Any] = {}
+    started = time.thread_time() if first is not None else 0.0
+    try:
+        reply = await edges.handle(
+            Protocol.CHAT, CHAT, raw, list(HEADERS), scope, trio.current_time()
+        )
+        assert not isinstance(reply.body, bytes), reply.body
+        waiting = first is not None
+        async for _ in reply.body:
+            if waiting:
+                assert first is not None
+                first.append(time.thread_time() - started)
+                waiting = False
+        await reply.body.aclose()
+    finally:
+        await run_cleanups(scope)
+
+
+def _drain(receive: trio.MemoryReceiveChannel[AuditRecord]) -> None:
+    """Drop the audit records so far (nobody writes them here)."""
+    while True:
+        try:
+            receive.receive_nowait()
+        except trio.WouldBlock:
+            return
+
+
 async def measure_one_shot(router: str, before: int, batches: int, batch: int) -> list[float]:
     """CPU per call of one-shot calls without a program id (plain SDK traffic: each call is a
     new ``auto-...`` program that never calls again), in ``batches`` of ``batch`` calls after
@@ -187,38 +217,18 @@ async def measure_one_shot(router: str, before: int, batches: int, batch: int) -
     async with in_process_edges(router, _Backend(32), audit) as edges:
         raw = body(None, 0)  # the same prompt each time: never a continuation, always new
 
-        async def call() -> None:
-            scope: dict[str, Any] = {}
-            try:
-                reply = await edges.handle(
-                    Protocol.CHAT, CHAT, raw, list(HEADERS), scope, trio.current_time()
-                )
-                assert not isinstance(reply.body, bytes), reply.body
-                async for _ in reply.body:
-                    pass
-                await reply.body.aclose()
-            finally:
-                await run_cleanups(scope)
-
-        def drain() -> None:
-            while True:
-                try:
-                    receive.receive_nowait()
-                except trio.WouldBlock:
-                    return
-
         for k in range(before):
-            await call()
+            await _call(edges, raw)
             if k % 1_000 == 999:
-                drain()
-        drain()
+                _drain(receive)
+        _drain(receive)
         out = []
         for _ in range(batches):
             started = time.thread_time()
             for _ in range(batch):
-                await call()
+                await _call(edges, raw)
             out.append((time.thread_time() - started) / batch)
-            drain()
+            _drain(receive)
         registry = edges.gateway.scheduler.registry
         assert len(registry) >= before + batches * batch, "calls were not one-shot"
         return out
@@ -258,33 +268,9 @@ async def measure(
         bodies = [body(i, history) for i in range(programs)]
         first: list[float] = []
 
-        async def call(raw: bytes) -> None:
-            scope: dict[str, Any] = {}
-            started = time.thread_time()
-            try:
-                reply = await edges.handle(
-                    Protocol.CHAT, CHAT, raw, list(HEADERS), scope, trio.current_time()
-                )
-                assert not isinstance(reply.body, bytes), reply.body
-                waiting = True
-                async for _ in reply.body:
-                    if waiting:
-                        first.append(time.thread_time() - started)
-                        waiting = False
-                await reply.body.aclose()
-            finally:
-                await run_cleanups(scope)
-
-        def drain() -> None:
-            while True:
-                try:
-                    receive.receive_nowait()
-                except trio.WouldBlock:
-                    return
-
         for raw in bodies:  # every program's first call: created, sized, placed
-            await call(raw)
-        drain()
+            await _call(edges, raw, first)
+        _drain(receive)
         first.clear()
         per_call = []
         chunk_cost = []
@@ -292,18 +278,18 @@ async def measure(
             backend.tokens = chunks
             started = time.thread_time()
             for raw in bodies:
-                await call(raw)
+                await _call(edges, raw, first)
             long = (time.thread_time() - started) / programs
             per_call.append(long)
-            drain()
+            _drain(receive)
             if per_chunk:
                 backend.tokens = 1
                 started = time.thread_time()
                 for raw in bodies:
-                    await call(raw)
+                    await _call(edges, raw, first)
                 short = (time.thread_time() - started) / programs
                 chunk_cost.append((long - short) / (chunks - 1))
-                drain()
+                _drain(receive)
     if per_chunk:
         return {
             "body_bytes": float(len(bodies[0])),
