@@ -24,10 +24,12 @@ from .asgi import (
     SSE,
     Disconnected,
     Handler,
+    Pacer,
     Receive,
     Request,
     Scope,
     Send,
+    collect,
     respond,
     respond_json,
 )
@@ -314,22 +316,15 @@ class SimApp:
         fault: str | None,
         extra: list[Any],
     ) -> None:
-        texts = []
-        last = None
-        async for output in handle:
-            if output.finish_reason == "error" or fault == "stream":
-                self.engine.abort(handle.request_id)
-                await self.send_error(
-                    request.send, APIError(500, ENGINE_DEAD, "InternalServerError")
-                )
-                return
-            texts.append(output.text)
-            last = output
-        assert last is not None
+        answer = await collect(self.engine, handle, fault)
+        if answer is None:
+            await self.send_error(request.send, APIError(500, ENGINE_DEAD, "InternalServerError"))
+            return
+        text, last = answer
         assert last.finish_reason is not None
         usage = builder.usage(last.num_prompt_tokens, last.num_output_tokens,
                               last.num_cached_tokens, stream=False)  # fmt: skip
-        body = builder.full_response("".join(texts), last.finish_reason, usage)
+        body = builder.full_response(text, last.finish_reason, usage)
         await respond_json(request.send, 200, body, extra)
 
     async def _stream(
@@ -346,19 +341,13 @@ class SimApp:
         await send({"type": "http.response.start", "status": 200, "headers": SSE + extra})
         want_usage = parsed.include_usage or self.config.enable_force_include_usage
         fail_at = max(1, parsed.max_tokens // 2) if fault == "stream" else None
-        interval = self.config.flush_interval()
+        pacer = Pacer(handle, self.config.flush_interval())
         role_sent = not parsed.chat
-        last_flush = -1e18
         done = False
         while not done:
-            batch = await handle.next_batch()
+            batch = await pacer.next()
             if not batch:
                 break
-            if interval > 0:
-                wait = last_flush + interval - trio.current_time()
-                if wait > 0:
-                    await trio.sleep(wait)
-                    batch.extend(handle.drain())
             parts = []
             for out in batch:
                 if out.finish_reason == "error" or (fail_at and out.num_output_tokens >= fail_at):
@@ -392,7 +381,7 @@ class SimApp:
                 parts.append("[DONE]")
             payload = "".join(f"data: {p}\n\n" for p in parts).encode()
             await send({"type": "http.response.body", "body": payload, "more_body": True})
-            last_flush = trio.current_time()
+            pacer.flushed()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

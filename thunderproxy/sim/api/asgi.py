@@ -13,8 +13,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
+import trio
+
 from ..config import SimConfig
-from ..engine.core import Engine, RequestHandle
+from ..engine.core import Engine, RequestHandle, StepOutput
 from .errors import APIError, validation_error
 from .protocol import GenerateRequest
 from .responses import ResponseBuilder, dumps
@@ -70,6 +72,49 @@ class Request:
 
 
 Handler = Callable[[Request], Awaitable[None]]
+
+
+async def collect(
+    engine: Engine, handle: RequestHandle, fault: str | None
+) -> tuple[str, StepOutput] | None:
+    """A whole (not streamed) answer: its text and last output; None where the engine failed
+    it or a ``stream`` fault was asked for, the request then aborted (the caller answers the
+    error in its protocol's shape)."""
+    texts = []
+    last = None
+    async for out in handle:
+        if out.finish_reason == "error" or fault == "stream":
+            engine.abort(handle.request_id)
+            return None
+        texts.append(out.text)
+        last = out
+    assert last is not None
+    return "".join(texts), last
+
+
+class Pacer:
+    """A streamed answer's outputs in batches, at most one flush per ``interval`` (vLLM's
+    ``--stream-interval``, in seconds; 0: every batch at once): a batch that comes sooner
+    after the last flush waits out the rest and takes what arrived meanwhile."""
+
+    def __init__(self, handle: RequestHandle, interval: float) -> None:
+        self.handle = handle
+        self.interval = interval
+        self.last_flush = -1e18
+
+    async def next(self) -> list[StepOutput]:
+        """The next batch (empty: the answer is over)."""
+        batch = await self.handle.next_batch()
+        if batch and self.interval > 0:
+            wait = self.last_flush + self.interval - trio.current_time()
+            if wait > 0:
+                await trio.sleep(wait)
+                batch.extend(self.handle.drain())
+        return batch
+
+    def flushed(self) -> None:
+        """A batch's bytes were sent."""
+        self.last_flush = trio.current_time()
 
 
 async def respond(

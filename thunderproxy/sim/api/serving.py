@@ -11,8 +11,6 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import trio
-
 from ..engine.core import RequestHandle, StepOutput
 from ..engine.tokenizer import TextGenerator
 from .errors import APIError
@@ -108,20 +106,14 @@ async def answer(
     fault: str | None,
     extra: list[tuple[bytes, bytes]],
 ) -> None:
-    from .asgi import respond_json
+    from .asgi import Pacer, collect, respond_json
 
     if not parsed.stream:
-        texts = []
-        last = None
-        async for out in handle:
-            if out.finish_reason == "error" or fault == "stream":
-                app.engine.abort(handle.request_id)
-                await app.send_error(request.send, frontend.failure())
-                return
-            texts.append(out.text)
-            last = out
-        assert last is not None
-        await respond_json(request.send, 200, frontend.full("".join(texts), last), extra)
+        answer = await collect(app.engine, handle, fault)
+        if answer is None:
+            await app.send_error(request.send, frontend.failure())
+            return
+        await respond_json(request.send, 200, frontend.full(*answer), extra)
         return
     send = request.send
     await send({"type": "http.response.start", "status": 200, "headers": SSE + extra})
@@ -131,18 +123,12 @@ async def answer(
             {"type": "http.response.body", "body": "".join(head).encode(), "more_body": True}
         )
     fail_at = max(1, parsed.max_tokens // 2) if fault == "stream" else None
-    interval = app.config.flush_interval()
-    last_flush = -1e18
+    pacer = Pacer(handle, app.config.flush_interval())
     done = False
     while not done:
-        batch = await handle.next_batch()
+        batch = await pacer.next()
         if not batch:
             break
-        if interval > 0:
-            wait = last_flush + interval - trio.current_time()
-            if wait > 0:
-                await trio.sleep(wait)
-                batch.extend(handle.drain())
         frames: list[str] = []
         for out in batch:
             if out.finish_reason == "error" or (fail_at and out.num_output_tokens >= fail_at):
@@ -158,5 +144,5 @@ async def answer(
         if frames:
             payload = "".join(frames).encode()
             await send({"type": "http.response.body", "body": payload, "more_body": True})
-            last_flush = trio.current_time()
+            pacer.flushed()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
