@@ -10,9 +10,8 @@ from pathlib import Path
 import httpx
 import trio
 
-from ..sim.test_sim_http import MODEL
 from .test_clients import proxy_on_sim
-from .test_prometheus_scrape import prometheus_binary
+from .test_prometheus_scrape import answered_streamed_and_refused, prometheus_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,12 +32,7 @@ async def test_the_metrics_of_a_run_pass_promtool_check_metrics(tmp_path: Path) 
         proxy_on_sim(tmp_path) as setup,
         httpx.AsyncClient(base_url=setup.proxy.url, timeout=10) as client,
     ):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-        streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
-        assert streamed.status_code == 200
-        missing = await client.post("/v1/chat/completions", json={**body, "model": "nope"})
-        assert missing.status_code == 404
+        await answered_streamed_and_refused(client)
         text = (await client.get("/metrics/prometheus")).content
     # Every family the proxy defines is in this run's text, so each is checked.
     for family in (

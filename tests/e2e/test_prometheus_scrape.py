@@ -55,58 +55,40 @@ async def test_prometheus_scrapes_programs_by_state(tmp_path: Path) -> None:
             answer = await client.post("/v1/chat/completions", json={**body, "program_id": "p1"})
             assert answer.status_code == 200
         target = setup.proxy.url.removeprefix("http://")
-        config = tmp_path / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            "scrape_configs:\n"
-            "  - job_name: thunderproxy\n"
-            "    metrics_path: /metrics\n"  # the JSON route, negotiated by Accept
-            f"    static_configs:\n      - targets: ['{target}']\n"
-        )
-        web = f"127.0.0.1:{free_port()}"
-        argv = [
-            binary,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address={web}",
-        ]
         with trio.fail_after(LIMIT_S):
-            async with trio.open_nursery() as nursery:
-                process: trio.Process = await nursery.start(
-                    partial(
-                        trio.run_process,
-                        argv,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                        check=False,
-                    )
-                )
-                try:
-                    found = await wait_for_series(f"http://{web}")
-                finally:
-                    process.terminate()
+            # The JSON route, negotiated by Accept.
+            async with scraping(tmp_path, target, binary, metrics_path="/metrics") as api:
+                found = await wait_for_series(api)
     by_state = {r["metric"]["state"]: float(r["value"][1]) for r in found}
     assert by_state["acting"] == 1.0, by_state
     assert by_state["reasoning"] == 0.0, by_state
     assert all(r["metric"]["job"] == "thunderproxy" for r in found)
 
 
-async def wait_for_series(base: str) -> list[dict[str, Any]]:
+async def wait_for_series(api: httpx.AsyncClient) -> list[dict[str, Any]]:
     """Ask Prometheus until its query API returns the programs-per-state series (it needs to be
     up and to have scraped once); the caller bounds the wait."""
-    async with httpx.AsyncClient(base_url=base, timeout=5) as client:
-        while True:
-            try:
-                answer = await client.get(
-                    "/api/v1/query", params={"query": "thunderproxy_programs"}
-                )
-            except httpx.TransportError:
-                answer = None  # not listening yet
-            if answer is not None and answer.status_code == 200:
-                result: list[dict[str, Any]] = answer.json()["data"]["result"]
-                if result:
-                    return result
-            await trio.sleep(0.2)
+    while True:
+        try:
+            answer = await api.get("/api/v1/query", params={"query": "thunderproxy_programs"})
+        except httpx.TransportError:
+            answer = None  # not listening yet
+        if answer is not None and answer.status_code == 200:
+            result: list[dict[str, Any]] = answer.json()["data"]["result"]
+            if result:
+                return result
+        await trio.sleep(0.2)
+
+
+async def answered_streamed_and_refused(client: httpx.AsyncClient) -> None:
+    """Three calls through the proxy at ``client``: one answered whole, one streamed, one for
+    a model no backend serves (404)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert streamed.status_code == 200
+    missing = await client.post("/v1/chat/completions", json={**body, "model": "nope"})
+    assert missing.status_code == 404
 
 
 async def test_metrics_text_counts_steps_and_latencies(tmp_path: Path) -> None:
@@ -114,12 +96,7 @@ async def test_metrics_text_counts_steps_and_latencies(tmp_path: Path) -> None:
         proxy_on_sim(tmp_path) as setup,
         httpx.AsyncClient(base_url=setup.proxy.url, timeout=10) as client,
     ):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-        streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
-        assert streamed.status_code == 200
-        missing = await client.post("/v1/chat/completions", json={**body, "model": "nope"})
-        assert missing.status_code == 404
+        await answered_streamed_and_refused(client)
         # Refused at the edge, before the gateway: counted all the same.
         broken = await client.post("/v1/chat/completions", content=b"{not json")
         assert broken.status_code == 400
@@ -146,15 +123,17 @@ async def test_metrics_text_counts_steps_and_latencies(tmp_path: Path) -> None:
 
 
 @asynccontextmanager
-async def scraping(tmp_path: Path, target: str, binary: str) -> AsyncIterator[httpx.AsyncClient]:
-    """A real Prometheus on loopback scraping ``target``'s /metrics/prometheus every second,
-    its data in ``tmp_path``; a client on its HTTP API. Stopped when the block ends."""
+async def scraping(
+    tmp_path: Path, target: str, binary: str, *, metrics_path: str = "/metrics/prometheus"
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A real Prometheus on loopback scraping ``target``'s ``metrics_path`` every second, its
+    data in ``tmp_path``; a client on its HTTP API. Stopped when the block ends."""
     config = tmp_path / "prometheus.yml"
     config.write_text(
-        "global:\n  scrape_interval: 1s\n"
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         "scrape_configs:\n"
         "  - job_name: thunderproxy\n"
-        "    metrics_path: /metrics/prometheus\n"
+        f"    metrics_path: {metrics_path}\n"
         f"    static_configs:\n      - targets: ['{target}']\n"
     )
     web = f"127.0.0.1:{free_port()}"
