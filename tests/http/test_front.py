@@ -27,6 +27,7 @@ from tests.conftest import query, running_proxy
 from tests.http.test_relay_fastpath import answer_the_rest, burst_answer
 from thunderproxy.bench.relay.relay_floor import requests
 from thunderproxy.http.front import Connection, serve_front
+from thunderproxy.sim.api.asgi import lifespan
 
 CHAT = b"/v1/chat/completions"
 BODY = json.dumps(
@@ -150,13 +151,6 @@ def responses(raw: bytes, count: int) -> list[tuple[int, dict[str, str], bytes]]
         if client.our_state is h11.DONE and client.their_state is h11.DONE:
             client.start_next_cycle()
     return found
-
-
-async def lifespan(receive: Any, send: Any) -> None:
-    """An ASGI app's lifespan that only starts and stops."""
-    while (await receive())["type"] != "lifespan.shutdown":
-        await send({"type": "lifespan.startup.complete"})
-    await send({"type": "lifespan.shutdown.complete"})
 
 
 @asynccontextmanager

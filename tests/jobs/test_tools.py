@@ -18,6 +18,7 @@ from tests.jobs.fakes import ScriptedClient
 from thunderproxy.jobs import tools
 from thunderproxy.jobs.llm import ToolCall
 from thunderproxy.jobs.tools import Toolbox, ToolSettings
+from thunderproxy.sim.api.asgi import lifespan
 
 PAGE = (
     b"<html><head><title>The Page</title><style>p{color:red}</style>"
@@ -38,9 +39,7 @@ class LocalSite:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
         path = scope["path"]
         self.hits.append(path)

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
+from thunderproxy.sim.api.asgi import lifespan, read_whole
 from thunderproxy.worker.auth import sign
 
 # One key for the whole test run: RSA generation is the slow part of these tests.
@@ -79,16 +80,9 @@ class Autoscaler:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_whole(receive)
         path = scope["path"]
         if path == "/pubkey/" and scope["method"] == "GET":
             self.pubkey_fetches += 1

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from tests.worker.autoscaler import Autoscaler
+from thunderproxy.sim.api.asgi import read_whole
 from thunderproxy.worker.auth import load_public_key
 from thunderproxy.worker.middleware import MAX_BODY_DEPTH, WorkerMiddleware, _strip_auth_params
 from thunderproxy.worker.state import WorkerConfig, WorkerState
@@ -20,13 +21,7 @@ class RecordingApp:
         self.calls: list[dict[str, Any]] = []
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        body = b""
-        if scope["type"] == "http":
-            while True:
-                message = await receive()
-                body += message.get("body", b"")
-                if not message.get("more_body"):
-                    break
+        body = await read_whole(receive) if scope["type"] == "http" else b""
         self.calls.append({"scope": scope, "body": body})
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})

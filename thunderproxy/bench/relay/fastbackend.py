@@ -27,6 +27,8 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
+from ...sim.api.asgi import lifespan, read_whole
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -81,13 +83,8 @@ class FastBackend:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         path = scope["path"]
@@ -104,12 +101,7 @@ class FastBackend:
             await _respond(send, 404, b'{"detail":"Not Found"}', b"application/json")
 
     async def _stream(self, receive: Receive, send: Send) -> None:
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        raw = await read_whole(receive)
         # The system's monotonic clock, not trio's: the client in another process reads the same
         # clock, and trio's has an offset of its own per run.
         read_at = time.monotonic_ns()

@@ -27,6 +27,7 @@ from hypercorn.trio import serve
 from ...config import load_settings
 from ...runtime import RunningProxy, run
 from ...sim import serve_simulator
+from ...sim.api.asgi import lifespan, read_whole
 from ..agents.agent import Agents, Schedule
 from ..agents.transport import HttpTransport
 from ..config import DEFAULT_PROFILE, TIME_SETTINGS, BenchConfig
@@ -64,16 +65,9 @@ class ReportSink:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_whole(receive)
         if scope["path"] == "/worker_status/":
             report = json.loads(body)
             if self.live:

@@ -30,6 +30,7 @@ from .asgi import (
     Scope,
     Send,
     collect,
+    lifespan,
     respond,
     respond_json,
 )
@@ -103,7 +104,7 @@ class SimApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -133,15 +134,6 @@ class SimApp:
             await self.send_error(send, error)
         except Disconnected:
             pass
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def send_error(self, send: Send, error: APIError, extra: list[Any] | None = None) -> None:
         await respond_json(send, error.status, error_body(error, self.config), extra)

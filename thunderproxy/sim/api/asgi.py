@@ -74,6 +74,24 @@ class Request:
 Handler = Callable[[Request], Awaitable[None]]
 
 
+async def lifespan(receive: Receive, send: Send) -> None:
+    """An ASGI app's lifespan that only starts and stops (the simulator's, and any small app's
+    that has nothing to set up)."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def read_whole(receive: Receive) -> bytes:
+    """A request's body, every part of it (a disconnect ends it where it stands)."""
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
 async def collect(
     engine: Engine, handle: RequestHandle, fault: str | None
 ) -> tuple[str, StepOutput] | None:
