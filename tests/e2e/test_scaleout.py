@@ -102,21 +102,12 @@ async def test_a_dead_worker_is_started_again_and_a_signal_stops_them_all(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
     async with open_simulator(SimConfig(time_scale=0.02)) as sim:
-        argv = [sys.executable, "-m", "thunderproxy", "serve", "--workers", "2", "--port", "0"]
-        argv += ["--backends", sim.url, "--redis", redis_server.url, "--no-datasette"]
-        argv += ["--db", str(tmp_path / "p.db")]
+        argv = two_workers(tmp_path, sim.url, redis_server.url)
         process = await trio.lowlevel.open_process(argv, stderr=subprocess.PIPE)
-        assert process.stderr is not None
-        seen = b""
+        stderr = Stderr(process)
 
         async def until(pattern: bytes) -> re.Match[bytes]:
-            nonlocal seen
-            with trio.fail_after(30):
-                while not (found := re.search(pattern, seen)):
-                    chunk = await process.stderr.receive_some()  # type: ignore[union-attr]
-                    assert chunk, seen.decode()
-                    seen += chunk
-            return found
+            return await stderr.until(pattern, timeout_s=30)
 
         try:
             listening = await until(rb"listening on (http://\S+) \(2 workers, pids (\d+),(\d+)")
@@ -142,6 +133,30 @@ async def test_a_dead_worker_is_started_again_and_a_signal_stops_them_all(
                 await process.wait()
 
 
+def two_workers(tmp_path: Path, backends: str, redis_url: str) -> list[str]:
+    """``thunderproxy serve --workers 2`` on a free port, sharing through ``redis_url``."""
+    argv = [sys.executable, "-m", "thunderproxy", "serve", "--workers", "2", "--port", "0"]
+    argv += ["--backends", backends, "--redis", redis_url, "--no-datasette"]
+    return [*argv, "--db", str(tmp_path / "p.db")]
+
+
+class Stderr:
+    """What a process has written on stderr so far, read on until a pattern shows."""
+
+    def __init__(self, process: trio.Process) -> None:
+        assert process.stderr is not None
+        self.stream = process.stderr
+        self.seen = b""
+
+    async def until(self, pattern: bytes, *, timeout_s: float) -> re.Match[bytes]:
+        with trio.fail_after(timeout_s):
+            while not (found := re.search(pattern, self.seen)):
+                chunk = await self.stream.receive_some()
+                assert chunk, self.seen.decode()
+                self.seen += chunk
+        return found
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie no one has reaped yet counts as gone: it serves nothing)."""
     try:
@@ -161,20 +176,12 @@ async def test_workers_die_with_their_supervisor(
     # Before, a supervisor killed (or hung up on: SIGHUP's default action) left its workers
     # serving the port with parent 1.
     async with open_simulator(SimConfig(time_scale=0.02)) as sim:
-        argv = [sys.executable, "-m", "thunderproxy", "serve", "--workers", "2", "--port", "0"]
-        argv += ["--backends", sim.url, "--redis", redis_server.url, "--no-datasette"]
-        argv += ["--db", str(tmp_path / "p.db")]
+        argv = two_workers(tmp_path, sim.url, redis_server.url)
         process = await trio.lowlevel.open_process(argv, stderr=subprocess.PIPE)
-        assert process.stderr is not None
-        seen = b""
         pids: list[int] = []
         try:
-            with trio.fail_after(60):
-                pattern = rb"listening on http://127\.0\.0\.1:(\d+) \(2 workers, pids (\d+),(\d+)"
-                while not (listening := re.search(pattern, seen)):
-                    chunk = await process.stderr.receive_some()
-                    assert chunk, seen.decode()
-                    seen += chunk
+            pattern = rb"listening on http://127\.0\.0\.1:(\d+) \(2 workers, pids (\d+),(\d+)"
+            listening = await Stderr(process).until(pattern, timeout_s=60)
             port = int(listening.group(1))
             pids = [int(listening.group(2)), int(listening.group(3))]
             assert all(alive(pid) for pid in pids)
