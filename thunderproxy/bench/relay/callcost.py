@@ -199,7 +199,7 @@ async def _call(edges: Edges, raw: bytes, first: list[float] | None = None) -> N
         await run_cleanups(scope)
 
 
-def _drain(receive: trio.MemoryReceiveChannel[AuditRecord]) -> None:
+def drain(receive: trio.MemoryReceiveChannel[AuditRecord]) -> None:
     """Drop the audit records so far (nobody writes them here)."""
     while True:
         try:
@@ -220,15 +220,15 @@ async def measure_one_shot(router: str, before: int, batches: int, batch: int) -
         for k in range(before):
             await _call(edges, raw)
             if k % 1_000 == 999:
-                _drain(receive)
-        _drain(receive)
+                drain(receive)
+        drain(receive)
         out = []
         for _ in range(batches):
             started = time.thread_time()
             for _ in range(batch):
                 await _call(edges, raw)
             out.append((time.thread_time() - started) / batch)
-            _drain(receive)
+            drain(receive)
         registry = edges.gateway.scheduler.registry
         assert len(registry) >= before + batches * batch, "calls were not one-shot"
         return out
@@ -270,7 +270,7 @@ async def measure(
 
         for raw in bodies:  # every program's first call: created, sized, placed
             await _call(edges, raw, first)
-        _drain(receive)
+        drain(receive)
         first.clear()
         per_call = []
         chunk_cost = []
@@ -281,7 +281,7 @@ async def measure(
                 await _call(edges, raw, first)
             long = (time.thread_time() - started) / programs
             per_call.append(long)
-            _drain(receive)
+            drain(receive)
             if per_chunk:
                 backend.tokens = 1
                 started = time.thread_time()
@@ -289,7 +289,7 @@ async def measure(
                     await _call(edges, raw, first)
                 short = (time.thread_time() - started) / programs
                 chunk_cost.append((long - short) / (chunks - 1))
-                _drain(receive)
+                drain(receive)
     if per_chunk:
         return {
             "body_bytes": float(len(bodies[0])),

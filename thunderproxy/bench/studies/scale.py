@@ -40,6 +40,7 @@ from ...programs import ProgramRegistry, StepUsage
 from ...runtime import RunningProxy, run
 from ...scheduling import Scheduler, policy_named
 from ...sim import SimConfig, serve_simulator
+from ..relay.callcost import drain
 from ..report import figures
 
 #: How long ago the idle programs' last call ended (their KV claim has long decayed).
@@ -190,14 +191,6 @@ async def scheduler_cost(n: int, calls: int, router: str) -> float:
             drain(receive)  # the records leave, as they do to the writer
         best = min(best, (time.perf_counter() - began) / calls * 1e6)
     return best
-
-
-def drain(receive: trio.MemoryReceiveChannel[AuditRecord]) -> None:
-    while True:
-        try:
-            receive.receive_nowait()
-        except trio.WouldBlock:
-            return
 
 
 class _NeverSent:
