@@ -3,6 +3,7 @@ allowed, as the proxy's setting can), the address checks, and the tool loop's bu
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,7 +16,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from tests.jobs.fakes import ScriptedClient
-from thunderproxy.jobs import tools
+from thunderproxy.jobs import special_addresses, tools
 from thunderproxy.jobs.llm import ToolCall
 from thunderproxy.jobs.tools import Toolbox, ToolSettings
 from thunderproxy.sim.api.asgi import lifespan
@@ -91,41 +92,106 @@ def test_html_becomes_readable_text_without_scripts_or_styles() -> None:
     assert text == "The Page\n\nHeading\nFirst & foremost.\none\ntwo"
 
 
+#: (address, the registry block it falls in, refused): at least one case for every entry of
+#: ``special_addresses``, the block its most specific one (None: in no registry). The comment
+#: names the entry; "reachable" is the registry's Globally Reachable column.
+ADDRESS_CASES: list[tuple[str, str | None, bool]] = [
+    # Ordinary addresses: in no registry, globally reachable.
+    ("93.184.215.14", None, False),
+    ("2606:4700::1111", None, False),
+    # IANA IPv4 Special-Purpose Address Registry.
+    ("0.1.2.3", "0.0.0.0/8", True),  # "This network"
+    ("0.0.0.0", "0.0.0.0/32", True),  # "This host on this network"
+    ("10.1.2.3", "10.0.0.0/8", True),  # Private-Use
+    ("100.64.0.1", "100.64.0.0/10", True),  # Shared Address Space (carrier-grade NAT)
+    ("100.100.100.200", "100.64.0.0/10", True),  # where some clouds put metadata services
+    ("127.0.0.1", "127.0.0.0/8", True),  # Loopback
+    ("169.254.169.254", "169.254.0.0/16", True),  # Link Local
+    ("172.16.5.4", "172.16.0.0/12", True),  # Private-Use
+    ("192.0.0.200", "192.0.0.0/24", True),  # IETF Protocol Assignments
+    ("192.0.0.1", "192.0.0.0/29", True),  # IPv4 Service Continuity Prefix
+    ("192.0.0.8", "192.0.0.8/32", True),  # IPv4 dummy address
+    ("192.0.0.9", "192.0.0.9/32", False),  # Port Control Protocol Anycast: reachable
+    ("192.0.0.10", "192.0.0.10/32", False),  # TURN Anycast: reachable
+    ("192.0.0.170", "192.0.0.170/32", True),  # NAT64/DNS64 Discovery
+    ("192.0.0.171", "192.0.0.171/32", True),  # NAT64/DNS64 Discovery
+    ("192.0.2.1", "192.0.2.0/24", True),  # Documentation (TEST-NET-1)
+    ("192.31.196.1", "192.31.196.0/24", False),  # AS112-v4: reachable
+    ("192.52.193.1", "192.52.193.0/24", False),  # AMT: reachable
+    ("192.88.99.1", "192.88.99.0/24", True),  # Deprecated (6to4 Relay Anycast): N/A
+    ("192.88.99.2", "192.88.99.2/32", True),  # 6a44-relay anycast address
+    ("192.168.0.1", "192.168.0.0/16", True),  # Private-Use
+    ("192.175.48.6", "192.175.48.0/24", False),  # Direct Delegation AS112 Service: reachable
+    ("198.18.0.1", "198.18.0.0/15", True),  # Benchmarking
+    ("198.51.100.7", "198.51.100.0/24", True),  # Documentation (TEST-NET-2)
+    ("203.0.113.9", "203.0.113.0/24", True),  # Documentation (TEST-NET-3)
+    ("240.0.0.1", "240.0.0.0/4", True),  # Reserved
+    ("255.255.255.255", "255.255.255.255/32", True),  # Limited Broadcast
+    # IPv4 Multicast Address Space Registry.
+    ("224.0.1.1", "224.0.0.0/4", True),  # Multicast
+    # IANA IPv6 Special-Purpose Address Registry.
+    ("::1", "::1/128", True),  # Loopback Address
+    ("::", "::/128", True),  # Unspecified Address
+    # IPv4-mapped Address: judged as the IPv4 address it maps.
+    ("::ffff:127.0.0.1", "::ffff:0:0/96", True),
+    ("::ffff:100.64.0.1", "::ffff:0:0/96", True),
+    ("::ffff:8.8.8.8", "::ffff:0:0/96", False),
+    # IPv4-IPv6 Translat. (NAT64, RFC 6052): reachable, and so must its IPv4 address be.
+    ("64:ff9b::7f00:1", "64:ff9b::/96", True),  # of 127.0.0.1
+    ("64:ff9b::a9fe:a9fe", "64:ff9b::/96", True),  # of 169.254.169.254
+    ("64:ff9b::808:808", "64:ff9b::/96", False),  # of 8.8.8.8
+    ("64:ff9b:1::1", "64:ff9b:1::/48", True),  # IPv4-IPv6 Translat. (RFC 8215, local use)
+    ("100::1", "100::/64", True),  # Discard-Only Address Block
+    ("100:0:0:1::1", "100:0:0:1::/64", True),  # Dummy IPv6 Prefix
+    ("2001:5::1", "2001::/23", True),  # IETF Protocol Assignments
+    # TEREDO: reachability N/A, so refused whatever server and client it names.
+    ("2001:0:4136:e378:8000:63bf:80ff:fffe", "2001::/32", True),  # client 127.0.0.1
+    ("2001:0:4136:e378:8000:63bf:f7f7:f7f7", "2001::/32", True),  # client 8.8.8.8
+    ("2001:1::1", "2001:1::1/128", False),  # Port Control Protocol Anycast: reachable
+    ("2001:1::2", "2001:1::2/128", False),  # TURN Anycast: reachable
+    ("2001:1::3", "2001:1::3/128", False),  # DNS-SD SRP Anycast: reachable
+    ("2001:2::1", "2001:2::/48", True),  # Benchmarking
+    ("2001:3::1", "2001:3::/32", False),  # AMT: reachable
+    ("2001:4:112::1", "2001:4:112::/48", False),  # AS112-v6: reachable
+    ("2001:10::1", "2001:10::/28", True),  # Deprecated (previously ORCHID): N/A
+    ("2001:20::1", "2001:20::/28", False),  # ORCHIDv2: reachable
+    ("2001:30::1", "2001:30::/28", False),  # Drone Remote ID DETs Prefix: reachable
+    ("2001:db8::1", "2001:db8::/32", True),  # Documentation
+    # 6to4: reachability N/A; judged by the IPv4 address it carries.
+    ("2002:7f00:1::1", "2002::/16", True),  # of 127.0.0.1
+    ("2002:a9fe:a9fe::1", "2002::/16", True),  # of 169.254.169.254
+    ("2002:808:808::1", "2002::/16", False),  # of 8.8.8.8
+    ("2620:4f:8000::42", "2620:4f:8000::/48", False),  # Direct Delegation AS112: reachable
+    ("3fff::1", "3fff::/20", True),  # Documentation
+    ("5f00::1", "5f00::/16", True),  # Segment Routing (SRv6) SIDs
+    ("fd00::1", "fc00::/7", True),  # Unique-Local
+    ("fe80::1%eth0", "fe80::/10", True),  # Link-Local Unicast
+    # IPv6 Multicast Address Space Registry.
+    ("ff0e::1", "ff00::/8", True),  # Multicast (global scope)
+    # IPv4-compatible (deprecated, in no registry): judged by the IPv4 address it carries.
+    ("::127.0.0.1", None, True),
+]
+
+
 @pytest.mark.parametrize(
-    ("address", "refused"),
-    [
-        ("127.0.0.1", True),
-        ("10.1.2.3", True),
-        ("192.168.0.1", True),
-        ("169.254.169.254", True),
-        ("::1", True),
-        ("fe80::1%eth0", True),
-        ("::ffff:127.0.0.1", True),
-        ("0.0.0.0", True),
-        ("93.184.215.14", False),
-        ("2606:4700::1111", False),
-        # Before, each of these was fetched: not globally routable, or carrying an address
-        # that is not (6to4, NAT64, IPv4-compatible, Teredo).
-        ("100.64.0.1", True),  # carrier-grade NAT, where some clouds put metadata services
-        ("100.100.100.200", True),
-        ("198.18.0.1", True),  # benchmarking
-        ("2002:7f00:1::1", True),  # 6to4 of 127.0.0.1
-        ("2002:a9fe:a9fe::1", True),  # 6to4 of 169.254.169.254
-        ("64:ff9b::7f00:1", True),  # NAT64 of 127.0.0.1
-        ("64:ff9b::a9fe:a9fe", True),  # NAT64 of 169.254.169.254
-        ("64:ff9b:1::1", True),  # NAT64 for local use
-        ("::127.0.0.1", True),  # IPv4-compatible
-        ("2001:0:4136:e378:8000:63bf:80ff:fffe", True),  # Teredo
-        ("::ffff:100.64.0.1", True),
-        ("ff0e::1", True),  # global-scope multicast
-        ("224.0.1.1", True),
-        ("2002:808:808::1", False),  # 6to4 of 8.8.8.8
-        ("64:ff9b::808:808", False),  # NAT64 of 8.8.8.8
-        ("::ffff:8.8.8.8", False),
-    ],
+    ("address", "block", "refused"),
+    ADDRESS_CASES,
+    ids=[f"{address}-{refused}" for address, _, refused in ADDRESS_CASES],
 )
-def test_private_and_local_addresses_are_refused(address: str, refused: bool) -> None:
+def test_private_and_local_addresses_are_refused(
+    address: str, block: str | None, refused: bool
+) -> None:
+    """Decided from the project's copy of the IANA registries, so the same on every Python
+    (``ipaddress``'s ``is_global`` for 2002:808:808::1 differs between 3.11 patch releases)."""
+    entry = special_addresses.entry_for(ipaddress.ip_address(address.split("%")[0]))
+    assert (str(entry.block) if entry else None) == block
     assert tools.address_refused(address) is refused
+
+
+def test_every_registry_entry_has_an_address_case() -> None:
+    blocks = [str(entry.block) for entry in special_addresses.ENTRIES]
+    assert len(set(blocks)) == len(blocks)
+    assert set(blocks) == {block for _, block, _ in ADDRESS_CASES if block is not None}
 
 
 async def test_fetch_url_refuses_loopback_unless_allowed(site: tuple[LocalSite, str]) -> None:

@@ -2,10 +2,11 @@
 loop that runs a model with them (at most ``max_rounds`` rounds of tool calls, each round's
 calls run in parallel, then a final answer without tools).
 
-``fetch_url`` refuses every address that is not globally routable, and IPv6 addresses that
-carry such an IPv4 address (every address the host resolves to is checked, the connection goes
-to a checked one, and each redirect is checked again) unless the allow-private setting says
-otherwise: a model must not be able to make the proxy read its own network.
+``fetch_url`` refuses every address that the IANA special-purpose registries do not call
+globally reachable (``special_addresses``), and IPv6 addresses that carry such an IPv4 address
+(every address the host resolves to is checked, the connection goes to a checked one, and each
+redirect is checked again) unless the allow-private setting says otherwise: a model must not be
+able to make the proxy read its own network.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import trio
 
 from .errors import ToolFailed
 from .llm import ChatClient, ChatRequest, Finished, TextDelta, ToolCall, closing
+from .special_addresses import entry_for
 
 #: Redirects followed by ``fetch_url``, each checked like the first address.
 MAX_REDIRECTS = 5
@@ -128,41 +130,49 @@ def html_to_text(html: str) -> str:
 # --- address checks --------------------------------------------------------------------------
 
 
+#: Entries judged by the IPv4 address they carry instead of by their column: 6to4 (N/A, for a
+#: 6to4 address reaches what its IPv4 address reaches) and IPv4-mapped (False, as no packet
+#: carries one, but a socket given one connects to the IPv4 address it maps).
+_SIXTOFOUR = ipaddress.ip_network("2002::/16")
+_IPV4_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
 #: NAT64's well-known prefix (RFC 6052): its last 32 bits are the IPv4 address reached.
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
-#: NAT64 for a network's own use (RFC 8215): never a public host.
-_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
-#: IPv4-compatible IPv6 (deprecated, RFC 4291): ``::a.b.c.d``.
+#: IPv4-compatible IPv6 (deprecated, RFC 4291, in no registry): ``::a.b.c.d``.
 _IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
 
 
-def _embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
-    """The IPv4 addresses an IPv6 address carries (6to4, Teredo, NAT64, IPv4-compatible): a
-    packet to it may end up at them, so each is judged as well."""
-    found: list[ipaddress.IPv4Address] = []
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries (IPv4-mapped, 6to4, NAT64, IPv4-compatible):
+    a packet to it may end up there, so it is judged as well. Teredo's are not read: the
+    registry leaves Teredo's reachability N/A, so every Teredo address is refused."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
     if ip.sixtofour is not None:
-        found.append(ip.sixtofour)
-    if ip.teredo is not None:
-        found.extend(ip.teredo)
+        return ip.sixtofour
     if ip in _NAT64 or ip in _IPV4_COMPATIBLE:
-        found.append(ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF))
-    return found
+        return ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF)
+    return None
 
 
 def address_refused(address: str) -> bool:
-    """True for every address that is not globally routable (``not is_global``: private,
-    loopback, link-local, carrier-grade NAT 100.64.0.0/10, documentation, reserved,
-    unspecified), multicast, and any IPv6 address that carries such an IPv4 address (6to4,
-    Teredo, NAT64, IPv4-compatible); IPv4-mapped IPv6 is judged as the IPv4 it maps."""
+    """True for every address the IANA special-purpose registries do not call globally
+    reachable (``special_addresses``: private, loopback, link-local, carrier-grade NAT
+    100.64.0.0/10, documentation, benchmarking, reserved, unspecified, and the N/A entries such
+    as Teredo), multicast, and any IPv6 address that carries a refused IPv4 address (6to4,
+    NAT64, IPv4-compatible); IPv4-mapped IPv6 and 6to4 are judged by the IPv4 they carry.
+    Decided from the project's table, not the interpreter's ``is_global``, which changed
+    between patch releases."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if not ip.is_global or ip.is_multicast:
+    entry = entry_for(ip)
+    if (
+        entry is not None
+        and entry.block not in (_SIXTOFOUR, _IPV4_MAPPED)
+        and not entry.globally_reachable
+    ):
         return True
     if isinstance(ip, ipaddress.IPv6Address):
-        if ip in _NAT64_LOCAL:
-            return True
-        return any(address_refused(str(inner)) for inner in _embedded_ipv4(ip))
+        inner = _embedded_ipv4(ip)
+        return inner is not None and address_refused(str(inner))
     return False
 
 
