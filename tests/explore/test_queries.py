@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
@@ -439,3 +440,210 @@ def test_call_waits_are_split_into_admission_and_mid_program(history: History) -
     longest = max(epsilon, key=lambda r: r["waited_s"])
     assert longest["waited_s"] >= scenario.MAX_WAIT_S * 0.9
     assert summary[longest["wait_kind"]]["max_wait_s"] >= longest["waited_s"] - 0.001
+
+
+# --- one run per page ----------------------------------------------------------------------------
+
+#: Columns holding times, shifted for the second run so that the two runs overlap as the demo's
+#: replays do (both in simulated time, started seconds apart).
+TIMES = ("at", "arrived_at", "sent_at", "first_token_at", "finished_at", "started_at", "stopped_at")
+#: Tables with a row per run's event, copied into the second run.
+PER_RUN = ("steps", "transitions", "backend_samples", "decisions")
+
+
+def _copy_db(source: Path, target: Path) -> Path:
+    for suffix in ("", "-wal"):
+        if Path(str(source) + suffix).exists():
+            shutil.copy(str(source) + suffix, str(target) + suffix)
+    return target
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
+    return [row[1] for row in conn.execute(f"pragma table_info('{table}')") if row[1] != "id"]
+
+
+def two_overlapping_runs(history: History, tmp_path: Path) -> Path:
+    """The scenario's run 1, then a run 2 copied from it 5 s later (its programs renamed, no
+    pause), then an idle run 3 that made no call: the demo's db after ``demo``."""
+    db = _copy_db(history.db, tmp_path / "two.db")
+    conn = sqlite3.connect(db)
+    shift = 5.0
+
+    def copy(table: str, where: str = "") -> None:
+        columns = _columns(conn, table)
+        values = []
+        for column in columns:
+            if column == "run_id":
+                values.append("2")
+            elif column == "program_id":
+                values.append("'r2-' || program_id")
+            elif column in TIMES:
+                values.append(f"{column} + {shift}")
+            else:
+                values.append(column)
+        conn.execute(
+            f"insert into {table} ({', '.join(columns)}) select {', '.join(values)} "
+            f"from {table} where run_id = 1 {where}"
+        )
+
+    runs = _columns(conn, "runs")
+    shifted = [f"{c} + {shift}" if c in TIMES else c for c in runs]
+    conn.execute(f"insert into runs ({', '.join(runs)}) select {', '.join(shifted)} from runs")
+    for table in PER_RUN:
+        copy(table, "and to_status != 'paused'" if table == "transitions" else "")
+    last = conn.execute("select max(stopped_at) from runs").fetchone()[0]
+    conn.execute(
+        "insert into runs (started_at, stopped_at, version, router, backends, settings) "
+        "values (?, null, 'x', 'tr', '', '{}')",
+        (last + 60,),
+    )
+    conn.commit()
+    conn.close()
+    return db
+
+
+def only_run(db: Path, run_id: int, target: Path) -> Path:
+    """``db`` with every other run's rows deleted."""
+    _copy_db(db, target)
+    conn = sqlite3.connect(target)
+    for table in PER_RUN:
+        conn.execute(f"delete from {table} where run_id != ?", (run_id,))
+    conn.execute("delete from runs where id != ?", (run_id,))
+    conn.commit()
+    conn.close()
+    return target
+
+
+def dashboard_charts() -> dict[str, str]:
+    board = load_metadata()["plugins"]["datasette-dashboards"]["scheduling"]
+    return {name: chart["query"] for name, chart in board["charts"].items()}
+
+
+def run_sql(db: Path, sql: str, **params: str) -> list[dict[str, Any]]:
+    """A chart's query as the dashboard runs it: every filter sent, blank unless given."""
+    filters = ("since", "until", "bucket", "run_id", "program_id", "backend")
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    try:
+        values = {name: params.get(name, "") for name in filters}
+        return [dict(row) for row in conn.execute(sql, values)]
+    finally:
+        conn.close()
+
+
+def test_each_query_and_chart_with_a_run_id_shows_that_run_alone(
+    history: History, tmp_path: Path
+) -> None:
+    """Two runs whose times overlap: a query given run_id answers exactly what it answers on a
+    db holding that run alone, window narrowed or not (failed before: the window was the
+    run's, the rows anyone's)."""
+    db = two_overlapping_runs(history, tmp_path)
+    alone = {r: only_run(db, r, tmp_path / f"run{r}.db") for r in (1, 2)}
+    with_run = {n: q for n, q in canned_queries().items() if "run_id" in q["params"]}
+    assert {"throughput", "backend_usage", "prefix_cache_over_time", "latency_breakdown"} <= set(
+        with_run
+    )
+    run1 = raw(db, "select started_at, stopped_at from runs where id = 1")[0]
+    narrowed = {"since": str(run1["started_at"] + 2), "until": str(run1["stopped_at"] - 2)}
+    for run_id in (1, 2):
+        for params in ({}, narrowed):
+            for name in with_run:
+                mixed = run_canned(db, name, run_id=str(run_id), **params)
+                assert mixed == run_canned(alone[run_id], name, run_id=str(run_id), **params), (
+                    name,
+                    run_id,
+                    params,
+                )
+            for name, sql in dashboard_charts().items():
+                shown = run_sql(db, sql, run_id=str(run_id), **params)
+                assert shown == run_sql(alone[run_id], sql, run_id=str(run_id), **params), name
+    # The story the two runs tell apart: run 1 paused programs, run 2 none.
+    pauses = {
+        r: sum(x["pauses"] for x in run_canned(db, "throughput", run_id=str(r))) for r in (1, 2)
+    }
+    assert pauses == {1: 2, 2: 0}
+    states = run_sql(db, dashboard_charts()["states"], run_id="2")
+    assert states
+    assert all(s["program_id"].startswith("r2-") for s in states)
+    assert "paused" not in {s["status"] for s in states}
+
+
+def test_with_no_run_given_pages_open_the_latest_run_that_made_calls(
+    history: History, tmp_path: Path
+) -> None:
+    """Run 3 is a proxy that served nothing (the demo's own, after its replays): blank means
+    run 2, not run 3's empty page."""
+    db = two_overlapping_runs(history, tmp_path)
+    for name in ("throughput", "latency_breakdown", "prefix_cache_over_time", "backend_usage"):
+        assert run_canned(db, name) == run_canned(db, name, run_id="2"), name
+    assert sum(r["steps"] for r in run_canned(db, "throughput")) == 11
+    for name, sql in dashboard_charts().items():
+        assert run_sql(db, sql) == run_sql(db, sql, run_id="2"), name
+    # Times without a run still span every run.
+    everything = run_canned(db, "throughput", since="0", bucket="86400")
+    assert sum(r["steps"] for r in everything) == 22
+
+
+def test_a_finished_program_is_drawn_acting_only_until_it_is_presumed_ended(
+    history_copy: Path,
+) -> None:
+    """A session that ended without a release: acting from its last answer until its idle lease
+    retires it 600 s later. The chart stops its bar where the proxy presumed it ended (4 times
+    its longest tool gap, at least 60 s), not at the retire."""
+    conn = sqlite3.connect(history_copy)
+    start = conn.execute("select max(stopped_at) from runs").fetchone()[0] + 100
+    conn.execute(
+        "insert into runs (started_at, stopped_at, version, router, backends, settings) "
+        "values (?, ?, 'x', 'tr', '', '{}')",
+        (start, start + 1000),
+    )
+    run = conn.execute("select max(id) from runs").fetchone()[0]
+    moves = [
+        (start + 1, None, "reasoning", "first request", 0),
+        (start + 2, "reasoning", "acting", "response complete", 1),
+        (start + 22, "acting", "reasoning", "tool finished", 1),  # a 20 s tool gap
+        (start + 23, "reasoning", "acting", "response complete", 2),
+        (start + 623, "acting", "stopped", "idle lease", 2),
+    ]
+    conn.executemany(
+        "insert into transitions (run_id, at, program_id, from_status, to_status, reason, "
+        "backend, step) values (?, ?, 'done', ?, ?, ?, 'http://b', ?)",
+        [(run, at, f, t, why, step) for at, f, t, why, step in moves],
+    )
+    conn.executemany(
+        "insert into steps (run_id, request_id, program_id, step, backend, endpoint, model, "
+        "stream, arrived_at, sent_at, finished_at, queue_s, total_s, tool_s, status) "
+        "values (?, ?, 'done', ?, 'http://b', '/v1/chat/completions', 'm', 0, ?, ?, ?, 0, 1, "
+        "?, 200)",
+        [(run, "r1", 1, start + 1, start + 1, start + 2, None),
+         (run, "r2", 2, start + 22, start + 22, start + 23, 20.0)],
+    )  # fmt: skip
+    conn.commit()
+    conn.close()
+    bars = run_sql(history_copy, dashboard_charts()["states"], run_id=str(run))
+    acting = [(b["start_ms"] / 1000 - start, b["end_ms"] / 1000 - start) for b in bars
+              if b["status"] == "acting"]  # fmt: skip
+    # The first acting span ended with the next call; the last is cut at 4 x 20 s of silence.
+    assert acting == [(2, 22), (23, 23 + 80)]
+
+
+def test_simulated_backends_are_named_as_such_in_the_legend(history_copy: Path) -> None:
+    conn = sqlite3.connect(history_copy)
+    conn.execute("update backend_samples set backend = 'http://sim-0.invalid'")
+    conn.execute("update steps set backend = 'http://sim-0.invalid'")
+    conn.commit()
+    conn.close()
+    for name in ("backend_usage", "prefix_cache_over_time"):
+        labels = {r["backend_label"] for r in run_canned(history_copy, name)}
+        assert labels == {"simulator"}, name
+
+
+def test_outcomes_are_drawn_success_green_and_failure_red() -> None:
+    board = load_metadata()["plugins"]["datasette-dashboards"]["scheduling"]
+    scale = board["charts"]["outcomes"]["display"]["encoding"]["color"]["scale"]
+    colours = dict(zip(scale["domain"], scale["range"], strict=True))
+    assert colours == {
+        "ok_steps": "#2ca02c",
+        "failed_steps": "#d62728",
+        "client_gone_steps": "#ff7f0e",
+    }
