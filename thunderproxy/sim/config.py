@@ -7,7 +7,9 @@ here shows up as `--flag` and `THUNDERPROXY_SIM_<NAME>` without further wiring.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 COMPAT_VERSIONS = ("current", "0.8", "0.9", "0.10", "0.11")
@@ -87,6 +89,23 @@ PROFILES: dict[str, TimingProfile] = {
     )
 }  # fmt: skip
 
+#: Profiles fitted to a real engine by ``thunderproxy bench --calibrate``, shipped as JSON files
+#: beside this module (``profiles/NAME.json``); each names the command that measured it.
+PROFILE_DIR = Path(__file__).with_name("profiles")
+PROFILE_FIELDS = frozenset(f.name for f in dataclasses.fields(TimingProfile))
+
+
+def load_profile(path: Path) -> TimingProfile:
+    """A timing profile from a JSON file: TimingProfile's fields, anything else ignored (the
+    measurements the calibration keeps beside them)."""
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    return TimingProfile(**{k: v for k, v in doc.items() if k in PROFILE_FIELDS})
+
+
+for _path in sorted(PROFILE_DIR.glob("*.json")):
+    _loaded = load_profile(_path)
+    PROFILES[_loaded.name] = _loaded
+
 
 def _knob(default: Any, help: str, *, group: str, flag: str | None = None, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, "group": group, "flag": flag, **extra})
@@ -153,6 +172,15 @@ class SimConfig:
     )
     enable_prefix_caching: bool = _knob(
         True, "Automatic prefix caching.", group="engine", negatable=True
+    )
+    scheduler_reserve_full_isl: bool = _knob(
+        True,
+        "Admit a waiting request only when its whole prompt fits in the free KV blocks, not "
+        "only its first chunk (vLLM 0.32's default); otherwise it waits for capacity. "
+        "--no-scheduler-reserve-full-isl: admit on the first chunk and preempt later, as "
+        "older vLLM did.",
+        group="engine",
+        negatable=True,
     )
     kv_offloading_size: float = _knob(
         0.0,

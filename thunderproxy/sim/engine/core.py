@@ -145,6 +145,7 @@ class Engine:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             policy=cfg.scheduling_policy,
+            reserve_full_isl=cfg.scheduler_reserve_full_isl,
         )
         self.recorder = Recorder(cfg.max_model_len)
         self.handles: dict[str, RequestHandle] = {}

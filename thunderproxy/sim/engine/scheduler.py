@@ -84,6 +84,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
         cpu: CPUTier | None = None,
+        reserve_full_isl: bool = True,
     ) -> None:
         self.pool = pool
         self.cpu = cpu
@@ -94,6 +95,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = policy
+        self.reserve_full_isl = reserve_full_isl
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.stats = SchedulerStats()
@@ -184,7 +186,9 @@ class Scheduler:
                         if started:
                             continue  # it waits for its load; vLLM looks at the next one
                 num_new = self._cap(req, req.num_tokens - computed, budget, computed=computed)
-                if num_new <= 0 or not self._allocate(req, num_new, hits):
+                if num_new <= 0 or not self._whole_sequence_fits(req, hits):
+                    break  # it waits for capacity; nobody behind it overtakes it
+                if not self._allocate(req, num_new, hits):
                     break
                 self.waiting.remove(req)
                 self.running.append(req)
@@ -338,6 +342,20 @@ class Scheduler:
         assert self.cpu is not None
         self.cpu.store(req.block_hashes[req.num_offered_blocks : full], now)
         req.num_offered_blocks = full
+
+    def _whole_sequence_fits(self, req: SimRequest, hits: Sequence[KVBlock]) -> bool:
+        """vLLM 0.32's admission gate (``scheduler_reserve_full_isl``): a waiting request
+        starts only when the blocks for all of its tokens, less its prefix hits, are free.
+        Without it, chunked prefill admits on the first chunk and the later chunks preempt
+        running requests, which real vLLM no longer does: it keeps the request waiting
+        (``num_requests_waiting_by_reason{reason="capacity"}``)."""
+        if not self.reserve_full_isl or req.blocks:
+            return True  # a request whose CPU load landed already holds its blocks
+        bs = self.block_size
+        total = -(-min(req.num_tokens, self.max_model_len) // bs)
+        # Hit blocks that sit in the free queue leave it when the request takes them.
+        evictable = sum(1 for b in hits if b.ref_cnt == 0)
+        return total - len(hits) + evictable <= self.pool.num_free
 
     def _allocate(self, req: SimRequest, num_new: int, hits: Sequence[KVBlock]) -> bool:
         bs = self.block_size
