@@ -331,15 +331,17 @@ def message_for(tmp_path: Path, text: str) -> str:
             id="aliases-type",
         ),
         pytest.param(
-            '[aliases]\ncoder = "qwen-32b"\n',
-            "FILE: aliases.coder: expected a non-empty array of strings, got a string; write "
-            'coder = ["served-model-name", ...]: the first is the target, the rest fallbacks.',
+            "[aliases]\ncoder = 3\n",
+            "FILE: aliases.coder: expected a non-empty array of strings, got an integer; write "
+            'coder = ["served-model-name", ...]: the first is the target, the rest fallbacks; '
+            'or coder = "served-model-name".',
             id="alias-not-a-list",
         ),
         pytest.param(
             '[aliases]\ncoder = [""]\n',
             "FILE: aliases.coder[0]: expected a non-empty string, got ''; write "
-            'coder = ["served-model-name", ...]: the first is the target, the rest fallbacks.',
+            'coder = ["served-model-name", ...]: the first is the target, the rest fallbacks; '
+            'or coder = "served-model-name".',
             id="alias-empty-name",
         ),
         pytest.param(
@@ -366,6 +368,30 @@ def test_every_config_file_error_names_the_key_and_the_remedy(
 def test_alias_targets_are_not_checked_while_models_are_discovered(tmp_path: Path) -> None:
     text = '[[backends]]\nurl = "http://a:1"\n[aliases]\ncoder = ["anything"]\n'
     assert load_settings(config=write(tmp_path, text)).aliases["coder"] == ("anything",)
+
+
+def test_an_alias_may_be_one_name_and_a_pattern(tmp_path: Path) -> None:
+    """LiteLLM's users write ``"claude-*" = "qwen3-coder"``: a string target, a wildcard key."""
+    text = (
+        '[[backends]]\nurl = "http://a:1"\nmodels = ["qwen3-coder"]\n'
+        '[aliases]\n"claude-*" = "qwen3-coder"\ncoder = ["qwen3-coder"]\n'
+        'default_model = "qwen3-coder"\n'
+    )
+    settings = load_settings(
+        config=write(tmp_path, text.replace('default_model = "qwen3-coder"\n', ""))
+    )
+    assert dict(settings.aliases) == {"claude-*": ("qwen3-coder",), "coder": ("qwen3-coder",)}
+    top = 'default_model = "qwen3-coder"\n' + text.replace('default_model = "qwen3-coder"\n', "")
+    assert load_settings(config=write(tmp_path, top)).default_model == "qwen3-coder"
+    assert load_settings(default_model="none").default_model == "none"
+
+
+def test_a_default_model_no_backend_serves_is_refused(tmp_path: Path) -> None:
+    text = 'default_model = "qwen-8b"\n[[backends]]\nurl = "http://a:1"\nmodels = ["qwen-32b"]\n'
+    assert message_for(tmp_path, text) == (
+        "FILE: default_model: 'qwen-8b' is served by no backend (served: "
+        "qwen-32b); name a served model, or add it to a [[backends]] models list."
+    )
 
 
 def test_a_missing_or_unreadable_config_file(tmp_path: Path) -> None:

@@ -39,7 +39,9 @@ def test_the_json_shape_is_openais() -> None:
     body = json.loads(error_json(error))
     assert body == {
         "error": {
-            "message": "The model `gpt-9` does not exist. Served models: a, b.",
+            "message": "The model `gpt-9` does not exist. Served models: a, b. Ask for one of "
+            "them, or send other names to one with the proxy's --default-model or an [aliases] "
+            'pattern ("claude-*" = "<served model>").',
             "type": "NotFoundError",
             "param": "model",
             "code": 404,

@@ -99,7 +99,10 @@ class ModelNotFound(RequestError):
     def __init__(self, model: str, served: Sequence[str]) -> None:
         listed = ", ".join(served) if served else "none yet: the backends have not answered"
         super().__init__(
-            f"The model `{model}` does not exist. Served models: {listed}.", param="model"
+            f"The model `{model}` does not exist. Served models: {listed}. Ask for one of them, "
+            "or send other names to one with the proxy's --default-model or an [aliases] "
+            'pattern ("claude-*" = "<served model>").',
+            param="model",
         )
         self.model = model
 

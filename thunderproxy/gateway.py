@@ -180,6 +180,8 @@ class Exchange:
     lease: StepLease
     response: UpstreamResponse
     admitted: Admitted = field(default_factory=Admitted)
+    #: The model the call was sent to (``call.model`` unless a name went elsewhere).
+    served: str | None = None
     first_token_at: float | None = None
     usage: StepUsage = field(default_factory=StepUsage)
     done: bool = False
@@ -442,8 +444,9 @@ class Gateway:
                 self.admission.done(admitted, None, self.cut_outcome()[0], trio.current_time())
             raise
         body = call.body
-        if route.served is not None and route.served != call.model:
-            body = {**body, "model": route.served}  # an alias: the backend knows the served name
+        served = route.served
+        if served is not None and served != call.model:
+            body = {**body, "model": served}  # an alias: the backend knows the served name
         headers = list(call.headers)
         if not any(name.lower() == "x-request-id" for name, _ in headers):
             # <program>-<step> names the call in vLLM's logs and the simulator's accounting.
@@ -452,13 +455,15 @@ class Gateway:
         try:
             response = await self.send(lease.node, request)
         except BackendError as exc:
-            self._close(lease, call, describe(exc)[0], exc.message, admitted=admitted)
+            self._close(
+                lease, call, describe(exc)[0], exc.message, admitted=admitted, served=served
+            )
             raise
         except BaseException:
             status, message = self.cut_outcome()
-            self._close(lease, call, status, message, admitted=admitted)
+            self._close(lease, call, status, message, admitted=admitted, served=served)
             raise
-        return Exchange(self, call, lease, response, admitted)
+        return Exchange(self, call, lease, response, admitted, served)
 
     async def send(self, node: BackendNode, request: UpstreamRequest) -> UpstreamResponse:
         """``request`` to ``node`` until its answer starts (within ``first_byte_timeout``),
@@ -502,6 +507,7 @@ class Gateway:
             usage=exchange.usage,
             first_token_at=exchange.first_token_at,
             admitted=exchange.admitted,
+            served=exchange.served,
         )
 
     def _close(
@@ -514,6 +520,7 @@ class Gateway:
         usage: StepUsage | None = None,
         first_token_at: float | None = None,
         admitted: Admitted | None = None,
+        served: str | None = None,
     ) -> None:
         if admitted is not None:
             # Settled before the lease, whether or not this close is the first: a reservation
@@ -544,6 +551,7 @@ class Gateway:
             error=error,
             source=call.source,
             matched_messages=call.matched_messages,
+            served_model=served,
         )
         self.audit.record(record)
         first = first_token_at

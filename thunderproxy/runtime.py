@@ -263,6 +263,16 @@ async def _wait_for_backends(pool: BackendPool, limit_s: float) -> None:
         )
 
 
+def _unknown_models_line(pool: BackendPool) -> str:
+    """What the startup line says of calls naming a model nothing serves, when they are not
+    refused: a client's own model name (Claude Code's) then works, and the user knows why."""
+    default = pool.unknown_names_go_to()
+    if default is None:
+        return ""
+    model, why = default
+    return f"; calls naming a model no backend serves go to {model!r} ({why})"
+
+
 async def run(
     settings: Settings,
     *,
@@ -290,6 +300,7 @@ async def run(
         connect_timeout=settings.connect_timeout,
         max_connections=settings.max_connections,
         aliases=settings.aliases,
+        default_model=settings.default_model,
     )
     with trio.CancelScope() as force, listener:
         async with pool_ctx as pool, trio.open_nursery() as nursery:
@@ -525,7 +536,7 @@ async def run(
                 )
             )
             log.info(
-                "thunderproxy %s %s %s (router=%s, backends=%s, db=%s)",
+                "thunderproxy %s %s %s (router=%s, backends=%s, db=%s)%s",
                 __version__,
                 # One of several processes on the port: the supervisor says when all listen.
                 "worker serving on" if reuse_port else "listening on",
@@ -533,6 +544,7 @@ async def run(
                 settings.router,
                 ",".join(pool.urls),
                 settings.db,
+                _unknown_models_line(pool),
             )
             task_status.started(RunningProxy(binds[0], services, audit, shutdown, worker))
 

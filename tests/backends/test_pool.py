@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from thunderproxy.backends import BackendPool
@@ -95,3 +97,72 @@ def test_names_made_up_by_clients_do_not_grow_the_resolved_set_without_bound() -
     for i in range(3 * MAX_CACHED_ROUTES):
         assert p.route(f"model-{i}").served == f"model-{i}"
     assert len(p._groups) <= MAX_CACHED_ROUTES
+
+
+# --- names nothing serves: alias patterns, default_model, the only model served ----------------
+
+
+def test_an_alias_pattern_takes_names_nothing_serves_most_specific_first() -> None:
+    p = BackendPool(
+        aliases={"claude-*": ["llama-8b"], "claude-3-*": ["qwen-32b"], "coder": ["qwen-8b"]}
+    )
+    p.attach("http://a", Unused(), models=["qwen-32b", "qwen-8b", "llama-8b"])
+    opus = p.route("claude-opus-4-8")
+    assert (opus.requested, opus.served, opus.fallback) == (
+        "claude-opus-4-8",
+        "llama-8b",
+        "alias 'claude-*'",
+    )
+    assert p.route("claude-3-haiku").served == "qwen-32b"
+    # A served name and an exact alias are never taken by a pattern.
+    assert p.route("llama-8b").fallback is None
+    assert p.route("coder").served == "qwen-8b"
+    # A pattern is no model: /v1/models does not list it.
+    assert "claude-*" not in p.served_models()
+    with pytest.raises(ModelNotFound):
+        p.route("gpt-9")
+
+
+def test_default_model_takes_every_name_nothing_serves(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "thunderproxy.backends")
+    p = BackendPool(default_model="qwen-8b")
+    p.attach("http://a", Unused(), models=["qwen-32b", "qwen-8b"])
+    for _ in range(3):
+        route = p.route("claude-opus-4-8")
+        assert (route.served, route.fallback) == ("qwen-8b", "default_model")
+    p.route("gpt-9")
+    assert p.route("qwen-32b").served == "qwen-32b"
+    told = [r.getMessage() for r in caplog.records if r.name == "thunderproxy.backends"]
+    # One line per name, however many calls: it says where the name goes and how to change it.
+    assert len(told) == 2, told
+    assert "'claude-opus-4-8' is served by no backend; its calls go to 'qwen-8b'" in told[0]
+    assert "--default-model" in told[0]
+    assert "'gpt-9'" in told[1]
+    assert p.unknown_names_go_to() == ("qwen-8b", "default_model")
+
+
+def test_with_one_model_served_and_nothing_set_unknown_names_go_to_it() -> None:
+    p = BackendPool()
+    p.attach("http://a", Unused(), models=["qwen3-coder"])
+    p.attach("http://b", Unused(), models=["qwen3-coder"])
+    assert p.unknown_names_go_to() == ("qwen3-coder", "the only model served")
+    route = p.route("claude-haiku-4-5")
+    assert (route.served, route.fallback, route.urls) == (
+        "qwen3-coder",
+        "the only model served",
+        {"http://a", "http://b"},
+    )
+    # Two models: which one a made-up name meant is not the proxy's guess.
+    p.attach("http://c", Unused(), models=["llama-8b"])
+    assert p.unknown_names_go_to() is None
+    with pytest.raises(ModelNotFound) as caught:
+        p.route("claude-haiku-4-5")
+    assert "--default-model" in caught.value.message
+
+
+def test_default_model_none_refuses_names_nothing_serves_even_with_one_model() -> None:
+    p = BackendPool(default_model="none")
+    p.attach("http://a", Unused(), models=["qwen3-coder"])
+    assert p.unknown_names_go_to() is None
+    with pytest.raises(ModelNotFound):
+        p.route("claude-opus-4-8")

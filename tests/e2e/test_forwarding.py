@@ -171,3 +171,24 @@ async def test_a_plain_passthrough_answer_is_relayed_as_it_arrives(
                     if len(received) > len(half):
                         client_has_half.set()
         assert received == b"[" + half + b"," + half + b"]"
+
+
+async def test_an_empty_tools_list_never_reaches_the_backend(
+    client: httpx.AsyncClient, backend: FakeBackend
+) -> None:
+    """vLLM answers ``tools: []`` with a 400 ("must not be an empty array"), which Claude Code
+    sends on its small background calls: the proxy drops it, and the tool_choice among none;
+    a list with tools goes as it came."""
+    empty = await client.post(
+        "/v1/chat/completions", json={**CHAT, "tools": [], "tool_choice": "auto"}
+    )
+    assert empty.status_code == 200, empty.text
+    tool = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+    some = await client.post(
+        "/v1/chat/completions", json={**CHAT, "tools": [tool], "tool_choice": "auto"}
+    )
+    assert some.status_code == 200, some.text
+    first, second = backend.received[-2:]
+    assert "tools" not in first
+    assert "tool_choice" not in first
+    assert (second["tools"], second["tool_choice"]) == ([tool], "auto")

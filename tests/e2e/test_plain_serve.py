@@ -5,10 +5,12 @@ the root answers the probes clients send at start without a rejection."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from thunderproxy import __version__
@@ -86,3 +88,42 @@ async def test_the_root_describes_the_proxy_and_records_no_rejection(tmp_path: P
     assert other.status_code == 403
     rejected = query(db, "SELECT method, path FROM rejections")
     assert rejected == [{"method": "GET", "path": "/nothing-here"}], rejected
+
+
+async def test_claude_codes_own_model_name_and_an_empty_tools_list_are_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Claude Code asks for its own model (``claude-opus-4-8``) with ``tools: []`` on its small
+    calls: a plain serve sends it to the one model it serves, says so at startup and once for
+    the name, and records both names on each step."""
+    caplog.set_level(logging.INFO, "thunderproxy")
+    db = tmp_path / "audit.db"
+    body = {
+        "model": "claude-opus-4-8",
+        "max_tokens": 8,
+        "tools": [],
+        "messages": [{"role": "user", "content": "Name this conversation."}],
+    }
+    async with (
+        running_proxy(db, shutdown_grace=1.0, datasette=False) as proxy,
+        httpx.AsyncClient(base_url=proxy.url, timeout=60.0) as client,
+    ):
+        for stream in (False, True):
+            answer = await client.post("/v1/messages", json={**body, "stream": stream})
+            assert answer.status_code == 200, answer.text
+        counted = await client.post(
+            "/v1/messages/count_tokens", json={k: body[k] for k in ("model", "messages")}
+        )
+        assert counted.status_code == 200, counted.text
+    steps = query(db, "SELECT model, served_model, status FROM steps ORDER BY id")
+    assert steps == [{"model": "claude-opus-4-8", "served_model": MODEL, "status": 200}] * 2
+    assert query(db, "SELECT path, status FROM rejections") == []
+    lines = [r.getMessage() for r in caplog.records]
+    started = [line for line in lines if "listening on" in line]
+    assert len(started) == 1, lines
+    assert started[0].endswith(
+        f"; calls naming a model no backend serves go to {MODEL!r} (the only model served)"
+    )
+    routed = [line for line in lines if "is served by no backend" in line]
+    assert len(routed) == 1, routed
+    assert f"'claude-opus-4-8' is served by no backend; its calls go to {MODEL!r}" in routed[0]

@@ -119,6 +119,9 @@ class StepRecord:
     #: continuation how many messages matched; None where the caller did not say.
     source: str | None = None
     matched_messages: int | None = None
+    #: The model the call was sent to, where ``model`` (the one asked for) went elsewhere or
+    #: not; None for a call that reached no backend.
+    served_model: str | None = None
 
     @classmethod
     def from_outcome(
@@ -137,6 +140,7 @@ class StepRecord:
         error: str | None,
         source: str | None = None,
         matched_messages: int | None = None,
+        served_model: str | None = None,
     ) -> StepRecord:
         """The row of a call that reached a backend (``lease`` is its scheduler lease)."""
         return cls(
@@ -159,6 +163,7 @@ class StepRecord:
             error=error,
             source=source,
             matched_messages=matched_messages,
+            served_model=served_model,
         )
 
     @classmethod
@@ -231,6 +236,7 @@ class StepRecord:
             "error": self.error,
             "source": self.source,
             "matched_messages": self.matched_messages,
+            "served_model": self.served_model,
         }
 
 

@@ -9,12 +9,15 @@ nodes of its group.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from operator import is_
 from typing import Any
 
+from ..config.settings import NO_DEFAULT_MODEL
 from ..errors import ModelNotFound, NoBackendAvailable
 from ..urls import redact_url
 from .base import Backend
@@ -22,8 +25,23 @@ from .health import Health
 from .http import HttpBackend
 from .metrics import EngineSnapshot
 
+log = logging.getLogger("thunderproxy.backends")
+
 #: Model names whose groups are kept resolved (``BackendPool.route``).
 MAX_CACHED_ROUTES = 1024
+#: The characters that make an alias a pattern (``fnmatch``'s): ``"claude-*" = "qwen3-coder"``.
+PATTERN_CHARS = frozenset("*?[")
+
+
+def is_pattern(name: str) -> bool:
+    return not PATTERN_CHARS.isdisjoint(name)
+
+
+def pattern_order(patterns: Sequence[str]) -> list[str]:
+    """Patterns most specific first (most characters that are not wildcards), else in the
+    order written: ``claude-3-*`` is tried before ``claude-*``, and both before ``*``."""
+    literal = {p: sum(c not in PATTERN_CHARS for c in p) for p in patterns}
+    return sorted(patterns, key=lambda p: -literal[p])
 
 
 @dataclass
@@ -69,6 +87,9 @@ class Route:
     requested: str | None
     served: str | None
     nodes: tuple[BackendNode, ...]
+    #: For a name nothing serves, what sent it to ``served``: ``alias 'claude-*'``,
+    #: ``default_model``, ``the only model served``. None for a served name or an exact alias.
+    fallback: str | None = None
 
     @property
     def urls(self) -> frozenset[str]:
@@ -84,14 +105,27 @@ class BackendPool:
         connect_timeout: float = 10.0,
         max_connections: int = 1024,
         aliases: Mapping[str, Sequence[str]] | None = None,
+        default_model: str = "",
     ) -> None:
         self.nodes: dict[str, BackendNode] = {}
-        self.aliases: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in (aliases or {}).items()}
+        every = {k: tuple(v) for k, v in (aliases or {}).items()}
+        #: Exact public names, and the patterns tried (most specific first) for any other name.
+        self.aliases: dict[str, tuple[str, ...]] = {
+            k: v for k, v in every.items() if not is_pattern(k)
+        }
+        self.patterns: dict[str, tuple[str, ...]] = {
+            k: every[k] for k in pattern_order([k for k in every if is_pattern(k)])
+        }
+        #: Where a name nothing serves goes: a model, "" (the only model served, if just one)
+        #: or ``NO_DEFAULT_MODEL`` (nowhere: 404).
+        self.default_model = default_model
         self._connect_timeout = connect_timeout
         self._max_connections = max_connections
         #: Per public model name: (the nodes, their served models, the groups) when it was last
         #: resolved. Every call resolves its model; the groups change only with those.
         self._groups: dict[str, tuple[tuple[BackendNode, ...], tuple[Any, ...], list[Route]]] = {}
+        #: Names nothing serves whose calls were sent elsewhere, and where: logged once each.
+        self._told: dict[str, str] = {}
 
     def add(self, url: str, *, models: Sequence[str] | None = None) -> BackendNode:
         """Track the HTTP backend at ``url`` (with one shared client)."""
@@ -154,9 +188,49 @@ class BackendPool:
         aliases = {a for a, targets in self.aliases.items() if any(t in names for t in targets)}
         return sorted(names) + sorted(aliases - names)
 
+    def unknown_names_go_to(self) -> tuple[str, str] | None:
+        """Where a call naming a model nothing serves (nor any alias) goes, and why: the
+        ``default_model``, else the one model the backends serve when they serve just one
+        (clients such as Claude Code ask for their own model names); None: it is refused."""
+        if self.default_model == NO_DEFAULT_MODEL:
+            return None
+        if self.default_model:
+            return self.default_model, "default_model"
+        served = {m for n in self.nodes.values() if n.models is not None for m in n.models}
+        if len(served) == 1 and all(n.models is not None for n in self.nodes.values()):
+            return next(iter(served)), "the only model served"
+        return None
+
+    def _fallback(self, model: str) -> tuple[tuple[str, ...], str] | None:
+        """The targets a name nothing serves is sent to: the first alias pattern it matches,
+        else :meth:`unknown_names_go_to`'s model."""
+        for pattern, targets in self.patterns.items():
+            if fnmatchcase(model, pattern):
+                return targets, f"alias {pattern!r}"
+        default = self.unknown_names_go_to()
+        return None if default is None else ((default[0],), default[1])
+
+    def _tell(self, route: Route) -> None:
+        """One line per name sent elsewhere (and again only if where it goes changes): a
+        client asking for a model by another name is normal, a line per call would be noise."""
+        name = route.requested
+        if name is None or route.served is None or self._told.get(name) == route.served:
+            return
+        if len(self._told) >= MAX_CACHED_ROUTES:
+            self._told.clear()  # names clients make up: the memory stays bounded
+        self._told[name] = route.served
+        log.info(
+            "model %r is served by no backend; its calls go to %r (%s), and their steps record "
+            "both names. Name it in [aliases], or set --default-model, to send it elsewhere.",
+            name,
+            route.served,
+            route.fallback,
+        )
+
     def route(self, model: str | None) -> Route:
-        """The group for ``model``. Raises :class:`ModelNotFound` when no node serves it (nor any
-        of an alias's targets), listing what is served."""
+        """The group for ``model``: the nodes that serve it or an exact alias's targets; for a
+        name nothing serves, an alias pattern's or the default model's. Raises
+        :class:`ModelNotFound` when there is none, listing what is served."""
         nodes = tuple(self.nodes.values())
         if model is None:
             return Route(None, None, nodes)
@@ -173,15 +247,32 @@ class BackendPool:
                 if (group := tuple(n for n in nodes if n.serves(served)))
             ]
             if not routes:
+                routes = self._fallback_routes(model, nodes)
+            if not routes:
                 raise ModelNotFound(model, self.served_models(healthy_only=False))
             if len(self._groups) >= MAX_CACHED_ROUTES:
                 self._groups.clear()  # a node that serves any name: names clients make up
             self._groups[model] = (nodes, served_by, routes)
         if len(routes) == 1:
-            return routes[0]
-        # An alias's first target with a healthy node; else its first target at all (the call
-        # then fails as that group's backends do, naming them).
-        return next((r for r in routes if any(n.healthy for n in r.nodes)), routes[0])
+            chosen = routes[0]
+        else:
+            # An alias's first target with a healthy node; else its first target at all (the
+            # call then fails as that group's backends do, naming them).
+            chosen = next((r for r in routes if any(n.healthy for n in r.nodes)), routes[0])
+        if chosen.fallback is not None:
+            self._tell(chosen)
+        return chosen
+
+    def _fallback_routes(self, model: str, nodes: tuple[BackendNode, ...]) -> list[Route]:
+        fallback = self._fallback(model)
+        if fallback is None:
+            return []
+        targets, why = fallback
+        return [
+            Route(model, served, group, fallback=why)
+            for served in targets
+            if (group := tuple(n for n in nodes if n.serves(served)))
+        ]
 
 
 @asynccontextmanager
@@ -191,10 +282,14 @@ async def open_backend_pool(
     connect_timeout: float = 10.0,
     max_connections: int = 1024,
     aliases: Mapping[str, Sequence[str]] | None = None,
+    default_model: str = "",
 ) -> AsyncIterator[BackendPool]:
     """A pool with one HTTP backend per URL (more may be added); every one closed on exit."""
     pool = BackendPool(
-        connect_timeout=connect_timeout, max_connections=max_connections, aliases=aliases
+        connect_timeout=connect_timeout,
+        max_connections=max_connections,
+        aliases=aliases,
+        default_model=default_model,
     )
     try:
         for url in urls:

@@ -53,7 +53,11 @@ def settings_options(settings: Iterable[Setting] = SETTINGS) -> Callable[[F], F]
 #: How ``serve --help`` groups the settings: the common ones first, then one section per area.
 #: A setting no section names is listed under "Other options" (and test_config says so).
 HELP_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Common options", ("backends", "port", "host", "db", "config", "router", "sim", "log_level")),
+    (
+        "Common options",
+        ("backends", "default_model", "port", "host", "db", "config", "router", "sim",
+         "log_level"),
+    ),
     (
         "Backends",
         ("metrics", "metrics_interval", "connect_timeout", "first_byte_timeout", "read_timeout",

@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..where import Where
 from .embedded import SIM_ENV_PREFIX, sim_environment, sim_overrides
 from .limits import check_served
-from .sections import _check_aliases, read_config_file
+from .sections import _check_aliases, _check_default_model, read_config_file
 from .settings import (
     SETTINGS,
     SETTINGS_BY_NAME,
@@ -127,6 +127,7 @@ def load_settings(
             )
     if file is not None:
         _check_aliases(settings, Where(file.path, "aliases"))
+        _check_default_model(settings, Where(file.path, "default_model"))
         specs = settings.backend_specs
         if settings.limits is not None and specs and all(b.models is not None for b in specs):
             served = {m for b in specs for m in b.models or ()}

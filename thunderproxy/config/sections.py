@@ -15,7 +15,15 @@ from ..errors import ConfigError
 from ..where import Where
 from .embedded import sim_overrides
 from .limits import parse_limits
-from .settings import SETTINGS_BY_NAME, BackendSpec, FrozenMap, Setting, Settings, _suggest
+from .settings import (
+    NO_DEFAULT_MODEL,
+    SETTINGS_BY_NAME,
+    BackendSpec,
+    FrozenMap,
+    Setting,
+    Settings,
+    _suggest,
+)
 
 # --- config-file sections -------------------------------------------------------------------
 
@@ -143,21 +151,23 @@ def _backends_section(value: Any, where: Where) -> Mapping[str, Any]:
 @section("aliases")
 def _aliases_section(value: Any, where: Where) -> Mapping[str, Any]:
     """``[aliases]``: public model name -> served model names (first the target, then the
-    fallbacks)."""
+    fallbacks), or one served name as a string. A name with ``*``, ``?`` or ``[...]`` is a
+    pattern that any name nothing serves may match (``"claude-*" = "qwen3-coder"``)."""
     if not isinstance(value, dict):
         raise where.error(
             f"expected a table, got {_type_name(value)}",
             'write [aliases] with lines like coder = ["qwen-32b"]',
         )
-    aliases = {
-        name: _strings(
-            targets,
-            where.dot(name),
+    aliases: dict[str, tuple[str, ...]] = {}
+    for name, targets in value.items():
+        remedy = (
             f'write {name} = ["served-model-name", ...]: the first is the target, the rest '
-            "fallbacks",
+            f'fallbacks; or {name} = "served-model-name"'
         )
-        for name, targets in value.items()
-    }
+        if isinstance(targets, str):
+            aliases[name] = (_string(targets, where.dot(name), remedy),)
+        else:
+            aliases[name] = _strings(targets, where.dot(name), remedy)
     return {"aliases": FrozenMap(aliases)}
 
 
@@ -183,6 +193,22 @@ def _check_aliases(settings: Settings, where: Where) -> None:
                         "add it to a [[backends]] models list or correct the name",
                     )
                 )
+
+
+def _check_default_model(settings: Settings, where: Where) -> None:
+    """``default_model`` must be served, when every backend lists its models."""
+    specs = settings.backend_specs
+    default = settings.default_model
+    if not default or default == NO_DEFAULT_MODEL or not specs:
+        return
+    if any(b.models is None for b in specs):
+        return
+    served = [m for b in specs for m in b.models or ()]
+    if default not in served:
+        raise where.error(
+            f"{default!r} is served by no backend (served: {', '.join(served)})",
+            "name a served model, or add it to a [[backends]] models list",
+        )
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from .limits import LimitsSpec
 from .passthrough import DEFAULT_PASSTHROUGH, parse_prefixes
 
 ENV_PREFIX = "THUNDERPROXY_"
+#: ``default_model`` that sends no name anywhere: a model nothing serves is answered 404.
+NO_DEFAULT_MODEL = "none"
 SECONDS = 1.0
 BYTES = 1
 
@@ -370,6 +372,14 @@ class Settings:
         (),
         "Comma-separated OpenAI-compatible backend base URLs (vLLM or SGLang). "
         "Empty: start an embedded simulated vLLM.",
+    )
+    default_model: str = setting(
+        "",
+        "Model that calls naming a model no backend serves (nor any [aliases] entry) are sent "
+        "to, logged once per name, the step recording both names; empty: the one model the "
+        "backends serve when they serve just one (so clients that ask for their own model "
+        "names, such as Claude Code, work as they are), else such calls are answered 404; "
+        f"'{NO_DEFAULT_MODEL}': always 404.",
     )
     router: str = setting(
         "tr",

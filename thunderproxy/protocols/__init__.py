@@ -13,6 +13,7 @@ no I/O, so the gateway calls it with bytes and JSON it already has:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import typing
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from .base import (
     error_body,
     load_embedded,
     sse_error_event,
+    without_empty_tools,
 )
 from .openai_chat import ChatTap
 from .responses import ResponsesTap, response_id_from_body
@@ -54,12 +56,15 @@ def prepare(protocol: Protocol, body: dict[str, Any]) -> Prepared:
     """Check ``body`` for ``protocol`` and return what the call needs (raises InvalidRequest)."""
     check_embedded_json(protocol, body)
     if protocol is Protocol.CHAT:
-        return openai_chat.prepare_chat(body)
-    if protocol is Protocol.COMPLETIONS:
-        return openai_chat.prepare_completions(body)
-    if protocol is Protocol.MESSAGES:
-        return anthropic.prepare_messages(body)
-    return responses.prepare_responses(body)
+        prepared = openai_chat.prepare_chat(body)
+    elif protocol is Protocol.COMPLETIONS:
+        prepared = openai_chat.prepare_completions(body)
+    elif protocol is Protocol.MESSAGES:
+        prepared = anthropic.prepare_messages(body)
+    else:
+        prepared = responses.prepare_responses(body)
+    sent = without_empty_tools(prepared.body)
+    return prepared if sent is prepared.body else dataclasses.replace(prepared, body=sent)
 
 
 def _has_id(value: Any) -> bool:

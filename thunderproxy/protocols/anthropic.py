@@ -29,6 +29,7 @@ from .base import (
     json_data,
     schema_chars,
     text_chars,
+    without_empty_tools,
 )
 from .openai_chat import canonical_arguments, content_parts, tool_call_value
 
@@ -83,7 +84,8 @@ def prepare_count_tokens(body: dict[str, Any]) -> Prepared:
     gateway passes it straight to a backend (the program's own, if known)."""
     model = check_model(body, required=True)
     messages = _check_messages(body)
-    return Prepared(Protocol.MESSAGES, model, False, _prompt_chars(body, messages), dict(body))
+    sent = without_empty_tools(dict(body))
+    return Prepared(Protocol.MESSAGES, model, False, _prompt_chars(body, messages), sent)
 
 
 def _usage_counts(usage: dict[str, Any]) -> dict[str, Any]:

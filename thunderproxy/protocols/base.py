@@ -66,6 +66,15 @@ class Prepared:
     hide_usage: bool = False
 
 
+def without_empty_tools(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without ``tools: []`` (and the ``tool_choice`` that then chooses among none).
+    An empty list offers nothing, and vLLM refuses it with a 400 ("`tools` must not be an empty
+    array"); Claude Code sends one on its small background calls. A copy; ``body`` is kept."""
+    if body.get("tools") != []:
+        return body
+    return {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+
+
 # --- JSON inside strings -----------------------------------------------------------------------
 
 
