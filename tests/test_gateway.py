@@ -299,3 +299,76 @@ async def test_an_answer_its_backend_ends_with_an_error_event_is_one_warning(
     )
     (step,) = r.records(StepRecord)
     assert (step.status, step.error) == (200, "engine died")
+
+
+# --- what the log tells of refusals: a line per cause a minute, never one per call -------------
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        rec.getMessage()
+        for rec in caplog.records
+        if rec.name == "thunderproxy.gateway" and rec.levelno == logging.WARNING
+    ]
+
+
+async def test_unknown_models_are_one_warning_a_minute_naming_what_was_asked(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="thunderproxy.gateway")
+    r = rig(ScriptedBackend())
+    for model in ["claude-opus-4-8"] * 5 + ["gpt-9"] * 3:
+        with pytest.raises(ModelNotFound):
+            await r.gateway.open(call(model))
+        await trio.sleep(1.0)
+    first = warnings_of(caplog)
+    assert first == [
+        "refused 1 call for models no backend serves: 'claude-opus-4-8' x1 (served: "
+        "m, served-coder, coder); ask for a served model, or send other names to one with "
+        "--default-model or an [aliases] pattern"
+    ]
+    await trio.sleep(60.0)
+    with pytest.raises(ModelNotFound):
+        await r.gateway.open(call("gpt-9"))
+    (second,) = warnings_of(caplog)[1:]
+    assert second.startswith(
+        "refused 8 calls in the last 68 s for models no backend serves: 'claude-opus-4-8' x4, "
+        "'gpt-9' x4 (served:"
+    )
+    assert len(r.records(RejectionRecord)) == 9  # each refusal is still a row
+
+
+async def test_a_backends_4xx_is_one_warning_per_message_a_minute(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="thunderproxy.gateway")
+
+    def refusing(message: str) -> list[bytes | float]:
+        return [json.dumps({"error": {"message": message, "code": 400}}).encode()]
+
+    backend = ScriptedBackend(status=400, chunks=refusing("`tools` must not be an empty array"))
+    r = rig(backend)
+    for _ in range(6):
+        async with r.gateway.call(call(stream=False)) as exchange:
+            await exchange.read()
+        await trio.sleep(1.0)
+    # Another message is another cause; one that differs only in its numbers is not.
+    for tokens in (140_000, 150_000):
+        backend.chunks = refusing(
+            f"This model's maximum context length is 131072; you asked {tokens}"
+        )
+        async with r.gateway.call(call(stream=False)) as exchange:
+            await exchange.read()
+    assert warnings_of(caplog) == [
+        f"backend {URL} answered 400 to 1 call: `tools` must not be an empty array",
+        f"backend {URL} answered 400 to 1 call: This model's maximum context length is 131072; "
+        "you asked 140000",
+    ]
+    await trio.sleep(60.0)
+    async with r.gateway.call(call(stream=False)) as exchange:
+        await exchange.read()
+    assert warnings_of(caplog)[2:] == [
+        f"backend {URL} answered 400 to 2 calls in the last 60 s: This model's maximum context "
+        "length is 131072; you asked 150000"
+    ]
+    assert [s.status for s in r.records(StepRecord)] == [400] * 9

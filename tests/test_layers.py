@@ -37,7 +37,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "audit",
         "sim",
         "traces",
-        "steps supervision where urls",
+        "steps supervision where urls causes",
         "errors clock __init__",
     )
 )

@@ -34,10 +34,12 @@ from .audit.records import RejectionRecord
 from .backends import BackendNode, BackendPool, UpstreamRequest, UpstreamResponse, header
 from .backends.h1 import H1Response
 from .backends.pool import Route
+from .causes import CauseLog, Told
 from .errors import (
     BackendError,
     BackendProtocolError,
     BackendTimeout,
+    ModelNotFound,
     ProxyStopping,
     ThunderproxyError,
     describe,
@@ -59,6 +61,27 @@ def _at_boundary(relayed_tail: bytes) -> bytes:
     if not relayed_tail or re.search(rb"\r?\n\r?\n\Z", relayed_tail):
         return b""
     return b"\n\n"
+
+
+def backend_message(text: str | None) -> str:
+    """The message of a backend's error answer (OpenAI's, Anthropic's or vLLM's JSON), else the
+    answer's text, on one line and cut to 300 characters."""
+    message: Any = text or ""
+    try:
+        payload = json.loads(message)
+    except (ValueError, RecursionError):
+        payload = None
+    if isinstance(payload, dict):
+        inner = payload.get("error")
+        found = inner.get("message") if isinstance(inner, dict) else inner
+        message = found if isinstance(found, str) else payload.get("message") or message
+    return " ".join(str(message).split())[:300] or "(no message)"
+
+
+def _calls(told: Told) -> str:
+    """``3 calls in the last 61 s`` / ``1 call``: what a refusal line covers."""
+    since = "" if told.since_s is None else f" in the last {told.since_s:.0f} s"
+    return f"{told.count} call{'' if told.count == 1 else 's'}{since}"
 
 
 def header_safe(value: str) -> str:
@@ -406,6 +429,8 @@ class Gateway:
         #: Set when the proxy begins to shut down: calls cut from then on are not the
         #: client's doing.
         self.stopping = False
+        #: Refusals told in the log: one line per cause a minute, never one per call.
+        self.refusals = CauseLog()
 
     @asynccontextmanager
     async def call(self, call: Call) -> AsyncIterator[Exchange]:
@@ -499,6 +524,8 @@ class Gateway:
         return CLIENT_CLOSED, "client closed the connection before the response ended"
 
     def finish(self, exchange: Exchange, status: int, error: str | None) -> None:
+        if 400 <= status < 500 and status == exchange.status_code:
+            self._tell_backend_refused(exchange.node.url, status, backend_message(error))
         self._close(
             exchange.lease,
             exchange.call,
@@ -565,7 +592,35 @@ class Gateway:
             cached_tokens=usage.cached_tokens,
         )
 
+    def _tell_backend_refused(self, backend: str, status: int, message: str) -> None:
+        """A backend's 4xx reaches the client, whose own output may not say why: one line per
+        backend, status and message (numbers aside: a context length differs per call) a
+        minute."""
+        cause = ("backend", backend, status, re.sub(r"\d+", "#", message))
+        told = self.refusals.note(cause, message, trio.current_time())
+        if told is not None:
+            log.warning(
+                "backend %s answered %d to %s: %s",
+                backend,
+                status,
+                _calls(told),
+                told.details[0][0],
+            )
+
+    def _tell_model_not_found(self, model: str) -> None:
+        told = self.refusals.note("model_not_found", model, trio.current_time())
+        if told is not None:
+            log.warning(
+                "refused %s for models no backend serves: %s (served: %s); ask for a served "
+                "model, or send other names to one with --default-model or an [aliases] pattern",
+                _calls(told),
+                ", ".join(f"{name!r} x{n}" for name, n in told.details),
+                ", ".join(self.pool.served_models(healthy_only=False)) or "none yet",
+            )
+
     def _reject(self, call: Call, error: ThunderproxyError) -> None:
+        if isinstance(error, ModelNotFound):
+            self._tell_model_not_found(error.model)
         status, error_type = describe(error)
         self.audit.record(
             RejectionRecord(
