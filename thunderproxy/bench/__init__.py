@@ -8,8 +8,11 @@ Rooms, from the data up; each imports only the rooms before it (and ``config.py`
 - agents/: the one agent loop, over HTTP or in-process;
 - report/: the figures (pure) and the sweep plot (matplotlib);
 - config.py: what one run is asked to do (``BenchConfig``);
-- runs/: the two clocks (virtual.py on MockClock, realtime.py with processes on loopback),
-  harness.py (``run_bench``), store.py (SQLite), the suite and ``thunderproxy demo``;
+- engine/: a real engine (vLLM's CPU build): its install, the tiny model and tokenizer it
+  serves, starting and reading it, and measuring its step time into a timing profile;
+- runs/: the two clocks (virtual.py on MockClock, realtime.py with processes on loopback,
+  over simulators or a real engine), harness.py (``run_bench``), store.py (SQLite), the
+  suite, ``thunderproxy demo`` and ``--calibrate``;
 - relay/: proxy overhead and the CPU a relayed call costs (``--overhead``, ``python -m``);
 - studies/: stand-alone studies (scale, scale-out, worker signals, councils);
 - cli.py: ``thunderproxy bench`` and ``thunderproxy demo``.

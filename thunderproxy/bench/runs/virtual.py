@@ -62,11 +62,14 @@ class TargetResult:
     proxy_run_id: int | None = None
     proxy_cpu_s: float | None = None
     wall_s: float = 0.0
+    #: What served the target when a run compares two: "engine" or "sim" ("" otherwise).
+    side: str = ""
 
     def summary(self) -> dict[str, Any]:
         return {
             "target": self.target,
             "label": self.label,
+            "side": self.side,
             "concurrency": self.concurrency,
             "kv_tokens": self.kv_tokens,
             "clock": self.clock,
@@ -77,7 +80,7 @@ class TargetResult:
 
     @property
     def label(self) -> str:
-        return self.target
+        return f"{self.target} ({self.side})" if self.side else self.target
 
 
 def backend_urls(n: int) -> list[str]:

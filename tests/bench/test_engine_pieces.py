@@ -1,0 +1,170 @@
+"""The real-engine target's pure pieces: the tiny model's tokenizer against the simulator's,
+the engine's command line, reading its /metrics, and how engine and simulator are compared."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from thunderproxy.bench.config import BenchConfig
+from thunderproxy.bench.engine import model as engine_model
+from thunderproxy.bench.engine.server import counters_of, engine_argv, gauges_of
+from thunderproxy.bench.report.conformance import agreement, agrees
+from thunderproxy.bench.workloads.prompts import Conversation, Vocabulary, system_prompt
+from thunderproxy.bench.workloads.workload import StepSpec
+from thunderproxy.errors import ConfigError
+from thunderproxy.sim import SimConfig
+from thunderproxy.sim.engine.tokenizer import Tokenizer
+
+
+class WordLevel:
+    """What the ``tokenizers`` library does with the tokenizer.json written here: special
+    tokens first, then the Split pattern, then a vocabulary lookup with ``<unk>``."""
+
+    def __init__(self, doc: dict[str, object]) -> None:
+        specials = [t["content"] for t in doc["added_tokens"]]  # type: ignore[index, union-attr]
+        pattern = doc["pre_tokenizer"]["pattern"]["Regex"]  # type: ignore[index]
+        self.split = re.compile("|".join(re.escape(s) for s in specials) + "|" + pattern)
+        self.vocab: dict[str, int] = doc["model"]["vocab"]  # type: ignore[index]
+        self.unk = self.vocab[doc["model"]["unk_token"]]  # type: ignore[index]
+
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab.get(p, self.unk) for p in self.split.findall(text)]
+
+    def decode(self, ids: list[int]) -> str:
+        pieces = {i: p for p, i in self.vocab.items()}
+        return "".join(pieces[i] for i in ids)  # the Fuse decoder: no spaces added
+
+
+@pytest.fixture
+def made(tmp_path: Path) -> engine_model.EngineModel:
+    return engine_model.write_model(tmp_path, Vocabulary(seed=3), max_model_len=8192)
+
+
+def conversation(vocabulary: Vocabulary) -> Conversation:
+    talk = Conversation("p1", vocabulary, system=system_prompt(vocabulary, 300, seed=3), seed=3)
+    talk.prepare(StepSpec(prompt_tokens=700, output_tokens=20))
+    text, ids = vocabulary.draw(__import__("random").Random(1), 20)
+    talk.answer(text, ids)
+    talk.prepare(StepSpec(prompt_tokens=1200, output_tokens=20))
+    return talk
+
+
+def test_the_engine_tokenizes_a_bench_prompt_to_as_many_tokens_as_the_simulator(
+    made: engine_model.EngineModel,
+) -> None:
+    vocabulary = Vocabulary(seed=3)
+    doc = json.loads((made.tokenizer_dir / "tokenizer.json").read_text())
+    config = json.loads((made.tokenizer_dir / "tokenizer_config.json").read_text())
+    talk = conversation(vocabulary)
+    rendered = jinja2.Template(config["chat_template"]).render(
+        messages=talk.openai_messages(), add_generation_prompt=True
+    )
+    assert rendered == Tokenizer().apply_chat_template(talk.openai_messages())
+    ids = WordLevel(doc).encode(rendered)
+    assert len(ids) == talk.prompt_tokens
+    unk = doc["model"]["vocab"][engine_model.UNK]
+    assert unk not in ids  # every piece of a bench prompt is in the vocabulary
+
+
+def test_an_answer_of_allowed_tokens_retokenizes_to_the_same_ids(
+    made: engine_model.EngineModel,
+) -> None:
+    doc = json.loads((made.tokenizer_dir / "tokenizer.json").read_text())
+    tokenizer = WordLevel(doc)
+    answer = list(made.word_ids[5:40]) + list(made.word_ids[-3:])
+    assert tokenizer.encode(tokenizer.decode(answer)) == answer
+    assert len(made.word_ids) == 4096
+    config = json.loads((made.model_dir / "config.json").read_text())
+    assert config["vocab_size"] == len(doc["model"]["vocab"])
+    assert config["max_position_embeddings"] == 8192
+    # transformers must read tokenizer.json, not build the architecture's own tokenizer.
+    assert not (made.tokenizer_dir / "config.json").exists()
+
+
+def test_the_engine_gets_the_simulators_scheduling_and_cache_settings(
+    made: engine_model.EngineModel,
+) -> None:
+    config = SimConfig(block_size=32, kv_capacity_tokens=40_960, max_num_batched_tokens=4096,
+                       max_num_seqs=64, max_model_len=8192, served_model_name="m")  # fmt: skip
+    argv = engine_argv(Path("/venv/bin/python"), made, config, port=1234)
+    flags = {
+        arg: (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "")
+        for i, arg in enumerate(argv)
+        if arg.startswith("--")
+    }
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert flags["--num-gpu-blocks-override"] == "1280"
+    assert flags["--block-size"] == "32"
+    assert flags["--max-num-batched-tokens"] == "4096"
+    assert flags["--max-num-seqs"] == "64"
+    assert flags["--max-model-len"] == "8192"
+    assert flags["--tokenizer"] == str(made.tokenizer_dir)
+    assert "--enable-prompt-tokens-details" in argv
+
+
+METRICS = """\
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 4018.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1984.0
+vllm:num_preemptions_total{engine="0",model_name="m"} 2.0
+vllm:prompt_tokens_total{engine="0",model_name="m"} 4018.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 100.0
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 4.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 0.0
+"""
+
+
+def test_the_engines_own_counters_and_gauges_are_read_from_metrics() -> None:
+    assert counters_of(METRICS) == {
+        "prefix_queries": 4018.0,
+        "prefix_hits": 1984.0,
+        "preemptions": 2.0,
+        "prompt_tokens": 4018.0,
+        "generation_tokens": 100.0,
+    }
+    assert gauges_of(METRICS) == (3.0, 4.0, 4.0)
+
+
+def summary(side: str, target: str, steps: float, hit: float, preempt: int) -> dict[str, object]:
+    return {"side": side, "target": target, "steps_per_min": steps, "prefix_hit_rate": hit,
+            "preemptions": preempt, "program_time_p99_s": 100.0}  # fmt: skip
+
+
+def test_agreement_needs_every_bound_and_the_same_verdict() -> None:
+    close = [
+        summary("engine", "default", 18.0, 0.60, 2), summary("engine", "tr", 22.0, 0.78, 1),
+        summary("sim", "default", 19.0, 0.62, 4), summary("sim", "tr", 23.5, 0.80, 1),
+    ]  # fmt: skip
+    rows = agreement(close)
+    assert agrees(rows)
+    assert rows[-1].figure == "tr / default steps/min"
+    # The simulator says tr loses where the engine says it wins: a disagreement, even though
+    # each figure alone is within 15%.
+    flipped = [*close[:2], summary("sim", "default", 20.5, 0.62, 4),
+               summary("sim", "tr", 20.0, 0.80, 1)]  # fmt: skip
+    assert not agrees(agreement(flipped))
+    # Eleven preemptions more than the engine's two: outside 3 or 25%.
+    churn = [*close[:3], summary("sim", "tr", 23.5, 0.80, 13)]
+    assert not agrees(agreement(churn))
+
+
+def test_a_real_engine_takes_the_targets_it_can_serve() -> None:
+    with pytest.raises(ConfigError, match="real time"):
+        BenchConfig(engine="vllm-cpu", virtual=True)
+    with pytest.raises(ConfigError, match="oracle"):
+        BenchConfig(engine="vllm-cpu", targets=("default", "oracle"))
+    with pytest.raises(ConfigError, match="one backend"):
+        BenchConfig(engine_url="http://127.0.0.1:1", backends=2)
+    with pytest.raises(ConfigError, match="needs --engine"):
+        BenchConfig(conformance=True)
+    config = BenchConfig(engine="vllm-cpu", targets=("default", "tr"), time_scale=0.1)
+    assert config.scale == 1.0  # the engine's clock is the wall clock
+    assert config.on_simulator().virtual
+    assert not config.on_simulator().on_engine

@@ -1,0 +1,128 @@
+"""How far the simulator agrees with a real engine on the same replay (pure).
+
+``bench --engine ... --conformance`` runs each target on the engine (real time) and on the
+simulator (virtual time, the engine's settings and the timing profile fitted to it). A figure
+agrees when it is within its bound below; the verdict (tr ahead of default or behind it on
+steps per minute) must be the same on both sides, since that is what a scheduling change is
+judged by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: steps/min of the simulator within this fraction of the engine's.
+STEPS_TOLERANCE = 0.15
+#: prefix hit rates within this much of each other.
+HIT_RATE_TOLERANCE = 0.05
+#: preemptions within this many, or within this fraction of the engine's.
+PREEMPTIONS_ABSOLUTE = 3
+PREEMPTIONS_RELATIVE = 0.25
+#: tr's steps/min over default's within this fraction of the engine's ratio.
+RATIO_TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class Row:
+    figure: str
+    engine: float | None
+    sim: float | None
+    agrees: bool | None  # None: not measured on one side
+
+    def cells(self) -> list[str]:
+        mark = "-" if self.agrees is None else "yes" if self.agrees else "NO"
+        return [self.figure, _fmt(self.engine), _fmt(self.sim), mark]
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 100 or float(value).is_integer():
+        return f"{value:,.0f}"
+    return f"{value:.3f}" if abs(value) < 1 else f"{value:.2f}"
+
+
+def _by_side(summaries: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Mapping[str, Any]]]:
+    sides: dict[str, dict[str, Mapping[str, Any]]] = {"engine": {}, "sim": {}}
+    for summary in summaries:
+        side = summary.get("side")
+        if side in sides:
+            sides[side][str(summary["target"])] = summary
+    return sides
+
+
+def _num(summary: Mapping[str, Any] | None, key: str) -> float | None:
+    if summary is None:
+        return None
+    value = summary.get(key)
+    return None if value is None else float(value)
+
+
+def within(engine: float | None, sim: float | None, *, relative: float = 0.0,
+           absolute: float = 0.0) -> bool | None:  # fmt: skip
+    """Whether ``sim`` is within ``absolute``, or ``relative`` of ``engine``, of ``engine``."""
+    if engine is None or sim is None:
+        return None
+    return abs(sim - engine) <= max(absolute, relative * abs(engine))
+
+
+def ratio(summaries: Mapping[str, Mapping[str, Any]], key: str = "steps_per_min") -> float | None:
+    """tr's figure over default's on one side; None without both."""
+    tr, default = _num(summaries.get("tr"), key), _num(summaries.get("default"), key)
+    if tr is None or not default:
+        return None
+    return tr / default
+
+
+def agreement(summaries: Sequence[Mapping[str, Any]]) -> list[Row]:
+    """One row per compared figure, every target that ran on both sides, then tr/default."""
+    sides = _by_side(summaries)
+    rows: list[Row] = []
+    for target in sides["engine"]:
+        engine, sim = sides["engine"][target], sides["sim"].get(target)
+        e, s = _num(engine, "steps_per_min"), _num(sim, "steps_per_min")
+        rows.append(Row(f"{target} steps/min", e, s, within(e, s, relative=STEPS_TOLERANCE)))
+        e, s = _num(engine, "prefix_hit_rate"), _num(sim, "prefix_hit_rate")
+        rows.append(Row(f"{target} prefix hit rate", e, s,
+                        within(e, s, absolute=HIT_RATE_TOLERANCE)))  # fmt: skip
+        e, s = _num(engine, "preemptions"), _num(sim, "preemptions")
+        rows.append(Row(f"{target} preemptions", e, s, within(
+            e, s, absolute=PREEMPTIONS_ABSOLUTE, relative=PREEMPTIONS_RELATIVE)))  # fmt: skip
+        e, s = _num(engine, "program_time_p99_s"), _num(sim, "program_time_p99_s")
+        # Shown, not judged: a tail of a few programs moves with any one call's timing.
+        rows.append(Row(f"{target} p99 program time (s)", e, s, None))
+    e, s = ratio(sides["engine"]), ratio(sides["sim"])
+    if e is not None or s is not None:
+        agrees = within(e, s, relative=RATIO_TOLERANCE)
+        if agrees is not None and e is not None and s is not None:
+            agrees = agrees and (e >= 1) == (s >= 1)  # the same verdict
+        rows.append(Row("tr / default steps/min", e, s, agrees))
+    return rows
+
+
+def agrees(rows: Sequence[Row]) -> bool:
+    """Every row that both sides measured within its bound."""
+    return all(row.agrees is not False for row in rows)
+
+
+def agreement_table(summaries: Sequence[Mapping[str, Any]]) -> str:
+    rows = agreement(summaries)
+    table = [["engine vs simulator", "engine", "simulator", "agrees"]]
+    table += [row.cells() for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    lines = []
+    for n, cells in enumerate(table):
+        right = [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        lines.append("  ".join([cells[0].ljust(widths[0]), *right]))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    verdict = "agree" if agrees(rows) else "DISAGREE"
+    bounds = (
+        f"bounds: steps/min within {STEPS_TOLERANCE:.0%}, hit rate within "
+        f"{HIT_RATE_TOLERANCE}, preemptions within {PREEMPTIONS_ABSOLUTE} or "
+        f"{PREEMPTIONS_RELATIVE:.0%}, tr/default within {RATIO_TOLERANCE:.0%} with the same "
+        "verdict"
+    )
+    return "\n".join([*lines, "", f"engine and simulator {verdict} ({bounds})"])
