@@ -187,7 +187,8 @@ class Call:
     #: How the call was tied to its program (protocols/recognition.py's Source), recorded on its
     #: steps row, and on its program's first transition when this call creates it.
     source: str | None = None
-    #: For a prompt continuation (``prefix``, ``prompt_prefix``): how many messages matched.
+    #: For a prompt continuation (``prefix``, ``prompt_prefix``, ``edited_prefix``): how many
+    #: messages matched.
     matched_messages: int | None = None
     #: The body (this one, or it with another model) as the bytes sent; an edge that kept the
     #: client's bytes sends them again for what did not change (http/body.py).

@@ -2,10 +2,11 @@
 simulator: each task must be one program, and every step must say how it was tied to it.
 
 Behind the ``clients`` marker (``pytest -m clients``): it installs the clients itself, the
-Python ones (mini-swe-agent, the openai-agents SDK, LiteLLM) into a virtualenv of their own and
-Codex from npm, all under pytest's temporary folder, and skips, saying why, where it cannot.
-Each task runs in a process of its own, the tasks of one framework at the same time, so the
-proxy sees their calls interleaved. Claude Code has its own marker (``test_claude_code.py``).
+Python ones (mini-swe-agent, the openai-agents SDK, LiteLLM) into a virtualenv of their own,
+aider into another and Codex from npm, all under pytest's temporary folder, and skips,
+saying why, where it cannot. Each task runs in a process of its own, the tasks of one
+framework at the same time, so the proxy sees their calls interleaved. Claude Code has its own
+marker (``test_claude_code.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,26 @@ def codex(tmp_path_factory: pytest.TempPathFactory) -> Path:
     binary = prefix / "node_modules" / ".bin" / "codex"
     if done.returncode != 0 or not binary.exists():
         pytest.skip(f"npm could not install @openai/codex: {done.stderr[-500:]}")
+    return binary
+
+
+#: aider, in a virtualenv of its own: it pins its dependencies (LiteLLM among them) apart from
+#: the other Python clients'.
+AIDER = "aider-chat>=0.86,<0.87"
+
+
+@pytest.fixture(scope="session")
+def aider(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    venv = tmp_path_factory.mktemp("aider") / "venv"
+    done = run([sys.executable, "-m", "venv", str(venv)], timeout=120)
+    if done.returncode != 0:
+        pytest.skip(f"could not make a virtualenv for aider: {done.stderr[-500:]}")
+    done = run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", AIDER], timeout=900
+    )
+    binary = venv / "bin" / "aider"
+    if done.returncode != 0 or not binary.exists():
+        pytest.skip(f"pip could not install {AIDER}: {done.stderr[-500:]}")
     return binary
 
 
@@ -181,8 +202,9 @@ async def test_codex_sessions_are_one_program_each(tmp_path: Path, codex: Path) 
             "-c", f'model_providers.tp.base_url="{proxy.url}/v1"',
             "-c", 'model_providers.tp.wire_api="responses"',
             "-c", 'model_providers.tp.env_key="OPENAI_API_KEY"',
-            "-m", MODEL,
         ]  # fmt: skip
+        # No -m: Codex asks for its own default model, which the proxy sends to the one the
+        # simulator serves, as the README's line runs it.
         envs = []
         for i in range(len(TASKS)):
             env = client_env(tmp_path / f"home{i}")
@@ -201,3 +223,36 @@ async def test_codex_sessions_are_one_program_each(tmp_path: Path, codex: Path) 
             ]  # fmt: skip
             await run_tasks(more, envs, tmp_path)
     assert_one_program_per_task(tmp_path / "audit.db", len(TASKS), "codex", calls=3 * len(TASKS))
+
+
+async def test_an_aider_chat_is_one_program(tmp_path: Path, aider: Path) -> None:
+    """aider's line from the README, with two questions on its input: it appends a reminder to
+    its newest message and drops it on the next turn, and moves its files pair behind the
+    answer; both turns are one program (were two), its model name sent to the served one."""
+    async with proxy_on_sim(tmp_path, tool_call_probability=0.0) as proxy:
+        argv = [
+            str(aider), "--model", "openai/any", "--openai-api-base", proxy.url + "/v1",
+            "--openai-api-key", "unused",
+            # Not a terminal: no git, no questions, plain input and output.
+            "--no-git", "--yes-always", "--no-fancy-input", "--no-pretty", "--no-stream",
+            "--no-show-model-warnings", "--no-check-update", "--analytics-disable",
+        ]  # fmt: skip
+        work = tmp_path / "work"
+        work.mkdir()
+        with trio.fail_after(300):
+            done = await trio.run_process(
+                argv,
+                stdin=b"Add a docstring to main.py.\nNow add a test for it.\n",
+                env=client_env(tmp_path / "home"),
+                cwd=work,
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+        output = done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
+        assert done.returncode == 0, output[-2000:]
+    rows = query(tmp_path / "audit.db", "SELECT model, served_model FROM steps")
+    assert rows == [{"model": "any", "served_model": MODEL}] * 2, rows
+    assert_one_program_per_task(tmp_path / "audit.db", 1, "new", calls=2)
+    sources = query(tmp_path / "audit.db", "SELECT source FROM steps ORDER BY id")
+    assert [s["source"] for s in sources] == ["new", "edited_prefix"]

@@ -821,3 +821,152 @@ def test_past_a_prompt_two_programs_share_no_shorter_prompt_is_tried() -> None:
     r.observe_answer(third.program_id, Protocol.CHAT, task, "an answer", 5.0)
     further = chat_request(["Solve it.", "Tool call error 0.", "Tool call error 1."])
     assert r.recognise(Protocol.CHAT, further, {}, 6.0).source is Source.NEW
+
+
+# --- a newest message edited: aider's reminder ---------------------------------------------------
+
+#: aider 0.86's formatting reminder, appended to the newest user message (models whose settings
+#: say reminder "user", the default), paragraphs apart.
+REMINDER = "# *SEARCH/REPLACE block* Rules:\n\nEvery block starts with the path.\n\nNo other text."
+#: The pair aider sends for the files in the chat; it follows the done turns, so on each turn it
+#: moves behind the newest answer.
+FILES = [
+    {"role": "user", "content": "I am not sharing any files that you can edit yet."},
+    {"role": "assistant", "content": "Ok."},
+]
+
+
+class AiderAgent:
+    """aider's chat as it sends it (``format_chat_chunks``): system prompt, done turns, the files
+    pair, the newest user message with the reminder; the next turn drops the reminder."""
+
+    def __init__(self, task: str) -> None:
+        self.done: list[dict[str, Any]] = []
+        self.current = task
+
+    def request(self) -> dict[str, Any]:
+        newest = {"role": "user", "content": f"{self.current}\n\n{REMINDER}"}
+        messages = [{"role": "system", "content": SYSTEM}, *self.done, *FILES, newest]
+        return {"model": "m", "messages": messages, "stream": True}
+
+    def continue_with(self, answer: dict[str, Any], turn: int) -> None:
+        self.done += [{"role": "user", "content": self.current}, answer]
+        self.current = f"Now do step {turn + 1}."
+
+
+def test_an_aider_chat_is_one_program_though_each_turn_edits_the_last() -> None:
+    """Two turns (and a third) of one aider chat: each prompt drops the reminder from the
+    previous newest message and moves the files pair behind the answer (was: a program a
+    turn)."""
+    r = recognizer()
+    agent = AiderAgent("Add a docstring to main.py.")
+    first = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    assert first.source is Source.NEW
+    for turn in range(3):
+        answer = {"role": "assistant", "content": f"Here is step {turn}."}
+        r.observe_answer(first.program_id, Protocol.CHAT, agent.request(), answer, turn + 0.5)
+        agent.continue_with(answer, turn)
+        found = r.recognise(Protocol.CHAT, agent.request(), {}, turn + 1.0)
+        assert found == Recognised(first.program_id, Source.EDITED_PREFIX)
+        assert found.by_prompt
+        # The history up to the edited message, the message and the answer.
+        assert found.matched == 1 + 2 * turn + 2
+
+
+def test_an_edit_is_only_paragraphs_added_or_taken_off_the_end() -> None:
+    r = recognizer()
+    agent = AiderAgent("Add a docstring to main.py.")
+    first = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    answer = {"role": "assistant", "content": "Done."}
+    r.observe_answer(first.program_id, Protocol.CHAT, agent.request(), answer, 1.0)
+    for newest, joins in [
+        ("Add a docstring to main.py.", True),  # the reminder dropped
+        (f"Add a docstring to main.py.\n\n{REMINDER}\n\nAnd tests.", True),  # one more
+        ("Add a docstring to util.py.", False),  # another question
+        ("Add a docstring", False),  # cut mid-paragraph
+    ]:
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": newest},
+            answer,
+            {"role": "user", "content": "Go on."},
+        ]
+        found = r.recognise(Protocol.CHAT, {"model": "m", "messages": messages}, {}, 2.0)
+        assert (found.program_id == first.program_id) is joins, newest
+
+
+def test_two_chats_that_gave_the_same_answer_to_the_same_history_name_neither() -> None:
+    r = recognizer()
+    chats = [AiderAgent("Same question."), AiderAgent("Same question.")]
+    found = [r.recognise(Protocol.CHAT, c.request(), {}, 0.0) for c in chats]
+    answer = {"role": "assistant", "content": "Same answer."}
+    for chat, f in zip(chats, found, strict=True):
+        r.observe_answer(f.program_id, Protocol.CHAT, chat.request(), answer, 1.0)
+        chat.continue_with(answer, 0)
+    again = r.recognise(Protocol.CHAT, chats[0].request(), {}, 2.0)
+    assert again.source is Source.NEW
+    assert again.program_id not in {f.program_id for f in found}
+
+
+def test_forget_drops_the_edit_too() -> None:
+    r = recognizer()
+    agent = AiderAgent("t")
+    found = r.recognise(Protocol.CHAT, agent.request(), {}, 0.0)
+    answer = {"role": "assistant", "content": "a"}
+    r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), answer, 1.0)
+    r.forget(found.program_id)
+    agent.continue_with(answer, 0)
+    assert r.recognise(Protocol.CHAT, agent.request(), {}, 2.0).source is Source.NEW
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["aider", "chat", "dropping"]), min_size=2, max_size=6),
+    order=st.lists(
+        st.tuples(st.integers(min_value=0, max_value=5), st.booleans()), min_size=1, max_size=40
+    ),
+    same_task=st.booleans(),
+)
+def test_agents_that_edit_their_newest_message_are_never_merged(
+    kinds: list[str], order: list[tuple[int, bool]], same_task: bool
+) -> None:
+    """aider chats beside chat agents and agents that drop answers, all with one system prompt
+    and, with ``same_task``, one first question: any interleaving, any reply dropped. No two
+    agents ever share a program; an aider chat is always one program, and so is every agent of
+    a task of its own."""
+    r = recognizer()
+    task = "one task"
+    agents: list[Any] = []
+    for i, kind in enumerate(kinds):
+        text = task if same_task else f"task {i}"
+        agents.append(
+            AiderAgent(text)
+            if kind == "aider"
+            else DroppingAgent(text)
+            if kind == "dropping"
+            else ChatAgent(text)
+        )
+    programs: dict[int, str] = {}
+    owner: dict[str, int] = {}
+    turns = dict.fromkeys(range(len(agents)), 0)
+    for now, (pick, dropped) in enumerate(order):
+        i = pick % len(agents)
+        agent = agents[i]
+        found = r.recognise(Protocol.CHAT, agent.request(), {}, float(now))
+        assert owner.setdefault(found.program_id, i) == i, "two agents merged"
+        if i in programs and (kinds[i] == "aider" or not same_task):
+            assert found.program_id == programs[i], (kinds[i], found)
+        programs[i] = found.program_id
+        if isinstance(agent, AiderAgent):
+            answer: dict[str, Any] = {"role": "assistant", "content": f"Answer {turns[i]} of {i}."}
+        else:
+            answer = agent.answer(turns[i])
+            answer["tool_calls"][0]["id"] += f"-{i}"
+            if dropped and isinstance(agent, DroppingAgent):
+                answer = {"role": "assistant", "content": f"no tool call {i}-{turns[i]}"}
+        r.observe_answer(found.program_id, Protocol.CHAT, agent.request(), answer, float(now))
+        if isinstance(agent, DroppingAgent) and dropped:
+            agent.drop(turns[i])
+        else:
+            agent.continue_with(answer, turns[i])
+        turns[i] += 1

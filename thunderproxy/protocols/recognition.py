@@ -20,7 +20,13 @@ Sources are tried in this order; the first that names a program wins, and the re
     answer left out and the client's own messages (user messages, tool outputs) appended, what
     mini-swe-agent does when a reply has no tool call: it drops the reply and adds a user
     message saying so;
-11. ``new`` (``auto-<hash>``) when prefix tracking could have followed the request, else
+11. ``edited_prefix``: the prompt extends a tracked program's last prompt up to, not including,
+    that call's last user message, then carries that message edited (paragraphs added or taken
+    off its end) and the call's answer right after it. aider appends a formatting reminder to
+    its newest user message and drops it on the next turn, where it also moves the pair of
+    messages that stands for its files (up to ``MAX_SKIPPED`` of the last prompt's messages
+    before the user message) behind the answer;
+12. ``new`` (``auto-<hash>``) when prefix tracking could have followed the request, else
     ``default`` (the single shared program, as before recognition existed).
 
 Prefix continuation stores no text. Each prompt is a list of normalised messages (see each
@@ -42,6 +48,13 @@ starts a new program. What this rule can merge wrongly is a task whose whole fir
 prompt and task text) another program sent last, then extended without the answer: in practice a
 second run of the same task that does not keep its first answer, which then shares the other
 run's cached prefix anyway.
+
+``edited_prefix`` is tried only when nothing above names the request. Its key is the link of
+the history before the edited message together with the hash of the answer that follows it, so
+it stores no text either: for the message, the hashes of its text cut at each paragraph break
+(``_EditPrint``). Two programs that share a system prompt and a first question stay apart by
+their answers; where two gave the very same answer to the same history, the key names neither
+and the request starts a new program.
 """
 
 from __future__ import annotations
@@ -65,6 +78,12 @@ DEFAULT_PROGRAM = "default"
 MAX_PROGRAM_ID_CHARS = 256
 #: A client's own id longer than this is replaced by its hash (the source prefix is kept).
 _MAX_CLIENT_ID_CHARS = 200
+#: ``edited_prefix``: messages of the last prompt, between the history and its last user
+#: message, that the next prompt may move behind the answer (aider's files pair, and its images
+#: pair).
+MAX_SKIPPED = 4
+#: Paragraph breaks of a user message whose cuts are kept for ``edited_prefix``.
+MAX_CUTS = 64
 _LEGACY_USER_ID = re.compile(r"_session_([0-9A-Za-z-]+)$")
 
 
@@ -87,6 +106,7 @@ class Source(enum.StrEnum):
     USER = "user"
     PREFIX = "prefix"
     PROMPT_PREFIX = "prompt_prefix"
+    EDITED_PREFIX = "edited_prefix"
     NEW = "new"
     DEFAULT = "default"
 
@@ -133,7 +153,12 @@ class Recognised:
     def by_prompt(self) -> bool:
         """Whether only the prompt ties this call to its program, so the next call can only be
         recognised if this one's answer is observed (``observe_answer``)."""
-        return self.source in (Source.PREFIX, Source.PROMPT_PREFIX, Source.NEW)
+        return self.source in (
+            Source.PREFIX,
+            Source.PROMPT_PREFIX,
+            Source.EDITED_PREFIX,
+            Source.NEW,
+        )
 
 
 def _digest(data: bytes) -> bytes:
@@ -163,6 +188,84 @@ CLIENT_TURNS = frozenset({"user", "tool", "function_call_output"})
 
 def _kind(element: Any) -> Any:
     return element[0] if isinstance(element, list) and element else None
+
+
+def _seed(protocol: Protocol) -> bytes:
+    """The link before a prompt's first element (``chain``'s start)."""
+    return _digest(protocol.value.encode())
+
+
+def _short(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=8).digest()
+
+
+def _last_text(element: Any) -> tuple[Any, str] | None:
+    """An element's shape with its last string left blank, and that string: the text of a
+    user message (its role and any other part are the shape)."""
+    found: list[str] = []
+
+    def blank(value: Any) -> Any:
+        if isinstance(value, list):
+            return [blank(v) for v in reversed(value)][::-1]
+        if isinstance(value, dict):
+            items = [(k, blank(value[k])) for k in reversed(sorted(value))]
+            return dict(reversed(items))
+        if isinstance(value, str) and not found:
+            found.append(value)
+            return ""
+        return value
+
+    shape = blank(element)
+    return (shape, found[0]) if found else None
+
+
+def _cuts(text: str) -> Iterable[bytes]:
+    """Hashes of ``text`` cut at each paragraph break (trailing blanks off, as prompts are
+    compared stripped), at most ``MAX_CUTS``, then of the whole text; one pass over it."""
+    hasher = hashlib.blake2b(digest_size=8)
+    done = 0
+    start = text.find("\n\n")
+    cuts = 0
+    while start != -1 and cuts < MAX_CUTS:
+        end = start
+        while end > done and text[end - 1].isspace():
+            end -= 1
+        if end > done:
+            hasher.update(text[done:end].encode("utf-8", "surrogatepass"))
+            done = end
+            yield hasher.copy().digest()
+            cuts += 1
+        start = text.find("\n\n", start + 2)
+    hasher.update(text[done:].encode("utf-8", "surrogatepass"))
+    yield hasher.digest()
+
+
+@dataclass(frozen=True)
+class _EditPrint:
+    """A program's last user message, as ``edited_prefix`` compares it without its text: its
+    shape, the hash of its text and the hashes of that text cut at each paragraph break."""
+
+    shape: bytes
+    whole: bytes
+    cuts: frozenset[bytes]
+
+    @classmethod
+    def of(cls, element: Any) -> _EditPrint | None:
+        found = _last_text(element)
+        if found is None:
+            return None
+        shape, text = found
+        cuts = list(_cuts(text))
+        return cls(_short(_element_bytes(shape)), cuts[-1], frozenset(cuts))
+
+    def edited_into(self, element: Any) -> bool:
+        """Whether ``element`` is this message with paragraphs taken off its end (aider's
+        reminder dropped), or added to it."""
+        found = _last_text(element)
+        if found is None or _short(_element_bytes(found[0])) != self.shape:
+            return False
+        cuts = list(_cuts(found[1]))
+        return cuts[-1] in self.cuts or self.whole in cuts
 
 
 def _lower(headers: HeaderItems) -> dict[str, str]:
@@ -257,6 +360,10 @@ class ProgramRecognizer:
         # live programs sent last, which names neither.
         self._prompts: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._prompt_of: dict[str, bytes] = {}
+        # edited_prefix: (history link + answer hash) -> program ("": two programs), and per
+        # program its keys and its last user message's print.
+        self._edits: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._edit_of: dict[str, tuple[list[bytes], _EditPrint]] = {}
         self._responses: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     @property
@@ -279,6 +386,7 @@ class ProgramRecognizer:
         if self.config.prefix:
             elements = chain_elements(protocol, body)
             links = chain(protocol, elements)
+            shared = False
             for index in range(len(links) - 1, -1, -1):
                 program_id = self._lookup(self._heads, links[index], now)
                 if program_id is not None:
@@ -292,9 +400,14 @@ class ProgramRecognizer:
                         # Several live programs sent this prompt last: the request continues a
                         # history they share, and a shorter match would only name one of them
                         # by less of it. It starts a program of its own.
+                        shared = True
                         break
                     if program_id is not None:
                         return Recognised(program_id, Source.PROMPT_PREFIX, matched=index + 1)
+            if not shared and self._edits:
+                edited = self._edited(protocol, elements, links, now)
+                if edited is not None:
+                    return edited
         if not links:
             return Recognised(DEFAULT_PROGRAM, Source.DEFAULT)
         self._created += 1
@@ -341,6 +454,33 @@ class ProgramRecognizer:
             user = _client_id(body.get("user"))
             if user is not None:
                 return Recognised(_named("user", user), Source.USER)
+        return None
+
+    def _edited(
+        self, protocol: Protocol, elements: list[Any], links: list[bytes], now: float
+    ) -> Recognised | None:
+        """``edited_prefix``: the latest user message followed by an answer that, with the
+        history before it, is a program's last call edited (the module docstring)."""
+        for index in range(len(elements) - 2, -1, -1):
+            if _kind(elements[index]) != "user":
+                continue
+            before = links[index - 1] if index else _seed(protocol)
+            key = _digest(before + _digest(_element_bytes(elements[index + 1])))
+            entry = self._edits.get(key)
+            if entry is None:
+                continue
+            program_id, used_at = entry
+            owned = self._edit_of.get(program_id)
+            if now - used_at > self.config.head_ttl_s or (program_id and owned is None):
+                del self._edits[key]
+                continue
+            if owned is None or not owned[1].edited_into(elements[index]):
+                # Two programs' (or not this message's edit): no shorter match is tried, as
+                # for a prompt two programs sent last.
+                return None
+            self._edits[key] = (program_id, now)
+            self._edits.move_to_end(key)
+            return Recognised(program_id, Source.EDITED_PREFIX, matched=index + 2)
         return None
 
     @staticmethod
@@ -409,6 +549,50 @@ class ProgramRecognizer:
         _bound(self._heads, self._head_of, self.config.max_heads)
         if len(prompt) > 1:
             self._keep_prompt(program_id, links[len(prompt) - 1], now)
+        self._keep_edit(program_id, protocol, prompt, links, added[0], now)
+
+    def _keep_edit(
+        self,
+        program_id: str,
+        protocol: Protocol,
+        prompt: list[Any],
+        links: list[bytes],
+        answer: Any,
+        now: float,
+    ) -> None:
+        """Make the call ``edited_prefix`` can continue: its last user message, edited, then
+        its answer, after its history, with up to ``MAX_SKIPPED`` messages before that user
+        message moved out of the way."""
+        last = next((i for i in range(len(prompt) - 1, -1, -1) if _kind(prompt[i]) == "user"), None)
+        if last is None:
+            return
+        printed = _EditPrint.of(prompt[last])
+        if printed is None:
+            return
+        answered = _digest(_element_bytes(answer))
+        keys = []
+        for start in range(max(0, last - MAX_SKIPPED), last + 1):
+            before = links[start - 1] if start else _seed(protocol)
+            key = _digest(before + answered)
+            owner = self._edits.get(key)
+            if (
+                owner is not None
+                and owner[0] != program_id
+                and now - owner[1] <= self.config.head_ttl_s
+            ):
+                self._edits[key] = ("", now)  # two live programs: it names neither
+            else:
+                self._edits[key] = (program_id, now)
+                keys.append(key)
+            self._edits.move_to_end(key)
+        self._edit_of[program_id] = (keys, printed)
+        while len(self._edits) > self.config.max_heads * (MAX_SKIPPED + 1):
+            old, (owner_id, _) = self._edits.popitem(last=False)
+            owned = self._edit_of.get(owner_id)
+            if owned is not None and old in owned[0]:
+                owned[0].remove(old)
+                if not owned[0]:
+                    del self._edit_of[owner_id]
 
     def _keep_prompt(self, program_id: str, link: bytes, now: float) -> None:
         owner = self._prompts.get(link)
@@ -444,6 +628,10 @@ class ProgramRecognizer:
         prompt = self._prompt_of.pop(program_id, None)
         if prompt is not None and self._prompts.get(prompt, ("",))[0] == program_id:
             del self._prompts[prompt]
+        edits = self._edit_of.pop(program_id, None)
+        for key in edits[0] if edits is not None else ():
+            if self._edits.get(key, ("",))[0] == program_id:
+                del self._edits[key]
 
 
 def _bound(
