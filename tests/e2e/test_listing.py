@@ -18,6 +18,7 @@ from thunderproxy.http.readouts.listing import (
     ProgramQuery,
     page,
     parse_query,
+    view_status,
 )
 from thunderproxy.programs import Program, StepUsage
 from thunderproxy.programs.registry import ProgramRegistry
@@ -82,6 +83,21 @@ def test_filters_by_backend_and_state() -> None:
     registry.get("p12").model = "llama"
     assert walk(registry, ProgramQuery(limit=1, model="llama")) == ["p7", "p12"]
     assert walk(registry, ProgramQuery(limit=1, model="llama", backend="http://b")) == ["p12"]
+
+
+def test_a_finished_session_is_ended_once_presumed_so_not_acting_until_its_lease() -> None:
+    """Acting and silent past 4 times its longest tool gap (at least 60 s): ``ended`` in the
+    view and its filter, though its idle lease (600 s) keeps it tracked."""
+    registry = registry_of(2)
+    usage = StepUsage(prompt_tokens=10, completion_tokens=2)
+    registry.end_step(registry.get("p0"), 1.0, usage, reason="done")
+    registry.end_step(registry.get("p1"), 40.0, usage, reason="done")  # silent 21.5 s only
+    assert [p.program_id for p in registry.presume_ended(61.5)] == ["p0"]
+    assert view_status(registry.get("p0")) == "ended"
+    assert view_status(registry.get("p1")) == "acting"
+    assert walk(registry, ProgramQuery(state="ended")) == ["p0"]
+    assert walk(registry, ProgramQuery(state="acting")) == ["p1"]
+    assert len(walk(registry, ProgramQuery(state="active"))) == 2
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,9 @@ async def test_non_streaming_chat_tracks_the_program(
     assert agent["state"] == "active"
     assert agent["step_count"] == 2
     assert agent["total_tokens"] == usage["prompt_tokens"] + 5
-    assert agent["context_len"] == len(PROMPT)
+    # Tokens, as the backend counted the last prompt; its characters beside them.
+    assert agent["context_len"] == usage["prompt_tokens"]
+    assert agent["context_chars"] == len(PROMPT)
     assert agent["backend"] == sim.url
     assert agent["profile"]["step_count"] == 2
     assert agent["profile"]["avg_kv_hit_rate"] > 0

@@ -57,7 +57,7 @@ from .guard import PassthroughGuard, parse_prefixes, reads_allowed
 from .proxy import RECORDED_KEY, Proxy, parse_json_object, run_cleanups
 from .readiness import Readiness
 from .readouts import prometheus
-from .readouts.listing import next_link, page, parse_query
+from .readouts.listing import next_link, page, parse_query, view_status
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 #: The routes that need a backend, refused while the runtime waits for its backends.
@@ -202,10 +202,13 @@ def program_view(program: Program, services: Services, *, with_profile: bool) ->
     acting_since = program.acting_since
     view: dict[str, Any] = {
         "backend": program.backend,
-        "context_len": program.context_len,
+        # Tokens, as the backend counts them: the last call's prompt as it reported it (or, for
+        # a call not answered yet, its characters at the rate the program's calls showed).
+        "context_len": round(program.context_len / program.chars_per_token),
+        "context_chars": program.context_len,
         "total_tokens": program.total_tokens,
         "step_count": program.step_count,
-        "status": "reasoning" if program.status is ProgramStatus.REASONING else "acting",
+        "status": view_status(program),
         "state": program.status.lifecycle,
         "tool_finished": program.tool_finished,
         "acting_since": None if acting_since is None else services.clock.unix(acting_since),

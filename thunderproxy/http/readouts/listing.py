@@ -26,8 +26,20 @@ DEFAULT_LIMIT = 1000
 MAX_LIMIT = 10_000
 #: Programs a filtered page may look at per program it can return.
 SCAN_PER_ITEM = 16
-#: Values of ``?state=``: the view's ``status`` (reasoning, acting, paused) or ``state`` (active).
-STATES = frozenset({*(s.value for s in ProgramStatus), "active", "terminated"})
+#: The view's ``status`` of an acting program presumed ended (programs/ending.py): silent for
+#: longer than its tool gaps explain, counted as released, until a call of it comes back.
+ENDED = "ended"
+#: Values of ``?state=``: the view's ``status`` (reasoning, acting, ended, paused) or ``state``
+#: (active).
+STATES = frozenset({*(s.value for s in ProgramStatus), ENDED, "active", "terminated"})
+
+
+def view_status(program: Program) -> str:
+    """What ``/programs`` calls a program's status: a finished session that nobody released is
+    ``ended`` once presumed so, not ``acting`` until its idle lease retires it minutes later."""
+    if program.status is ProgramStatus.REASONING:
+        return "reasoning"
+    return ENDED if program.presumed_ended else "acting"
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,8 @@ class ProgramQuery:
             return False
         if self.state is None:
             return True
+        if self.state in ("acting", ENDED):
+            return program.status is not ProgramStatus.PAUSED and self.state == view_status(program)
         return self.state in (program.status.value, program.status.lifecycle)
 
 
