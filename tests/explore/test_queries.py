@@ -647,3 +647,18 @@ def test_outcomes_are_drawn_success_green_and_failure_red() -> None:
         "failed_steps": "#d62728",
         "client_gone_steps": "#ff7f0e",
     }
+
+
+def test_a_runs_page_counts_the_call_that_ended_at_its_stop(history_copy: Path) -> None:
+    """The demo's runs end with their last call: with no times given, that call is in the run's
+    page, as in the link the demo prints (its window ends 1 ms after the stop)."""
+    conn = sqlite3.connect(history_copy)
+    stop = conn.execute("select max(finished_at) from steps").fetchone()[0]
+    conn.execute("update runs set stopped_at = ?", (stop,))
+    conn.commit()
+    conn.close()
+    run = raw(history_copy, "select started_at, stopped_at from runs")[0]
+    link = {"since": str(run["started_at"]), "until": str(run["stopped_at"] + 0.001)}
+    blank = run_canned(history_copy, "throughput", run_id="1")
+    assert sum(r["steps"] for r in blank) == 11
+    assert sum(r["steps"] for r in run_canned(history_copy, "throughput", **link)) == 11
