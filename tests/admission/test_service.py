@@ -25,10 +25,15 @@ BIG, SMALL = "qwen-32b", "qwen-8b"
 
 
 def service(
-    limits: dict[str, ModelLimits], classes: tuple[ClassSpec, ...] | None = None
+    limits: dict[str, ModelLimits],
+    classes: tuple[ClassSpec, ...] | None = None,
+    *,
+    default_model: str = "",
 ) -> tuple[AdmissionService, trio.MemoryReceiveChannel[AuditRecord]]:
     send, receive = trio.open_memory_channel[AuditRecord](1000)
-    pool = BackendPool(aliases={"coder": (BIG, SMALL)})
+    pool = BackendPool(
+        aliases={"coder": (BIG, SMALL), "claude-*": (BIG,)}, default_model=default_model
+    )
     pool.add("http://gpu0:8000", models=[BIG])
     pool.add("http://gpu1:8000", models=[SMALL])
     spec = LimitsSpec(limits, classes or (ClassSpec("default", 1.0, max_wait_s=10.0),), "default")
@@ -72,6 +77,21 @@ async def test_a_call_over_rpm_waits_for_the_next_window(
     assert trio.current_time() == pytest.approx(60.0)
     actions = [(p, a) for p, a, _ in decisions(rx)]
     assert actions == [("a", "admit"), ("b", "queue"), ("b", "admit")]
+
+
+@pytest.mark.parametrize(("model", "default"), [("claude-opus-4-8", ""), ("gpt-5", SMALL)])
+async def test_names_nothing_serves_count_against_the_limits_of_the_model_served(
+    autojump_clock: trio.testing.MockClock, model: str, default: str
+) -> None:
+    """A name an alias pattern or default_model sends to a served model is that model's call
+    for [limits] too (else Claude Code's calls would pass every limit of the model they use)."""
+    served = BIG if default == "" else default
+    adm, rx = service({served: ModelLimits(rpm=1)}, default_model=default)
+    await trio.sleep(50.0 - trio.current_time())
+    await adm.admit(call("a", model), trio.current_time())
+    await adm.admit(call("b", model), trio.current_time())
+    assert trio.current_time() == pytest.approx(60.0)
+    assert [(p, a) for p, a, _ in decisions(rx)] == [("a", "admit"), ("b", "queue"), ("b", "admit")]
 
 
 async def test_past_its_wait_a_call_is_refused_with_retry_after_from_the_window(

@@ -465,7 +465,7 @@ class AdmissionService:
     def _chain(self, model: str | None) -> tuple[str, ...]:
         if model is None:
             return ()
-        return self.pool.aliases.get(model, (model,))
+        return self.pool.chain(model)
 
     def _healthy(self, model: str) -> bool:
         return any(n.healthy for n in self.pool if n.serves(model))

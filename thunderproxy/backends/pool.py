@@ -201,6 +201,18 @@ class BackendPool:
             return next(iter(served)), "the only model served"
         return None
 
+    def chain(self, model: str) -> tuple[str, ...]:
+        """The served names a call for ``model`` may be sent as, first the target: an exact
+        alias's targets, the name itself where a node serves it, else what a name nothing
+        serves goes to (so ``[limits]`` of the served model count its calls too)."""
+        exact = self.aliases.get(model)
+        if exact is not None:
+            return exact
+        if any(n.serves(model) for n in self.nodes.values()):
+            return (model,)
+        fallback = self._fallback(model)
+        return (model,) if fallback is None else fallback[0]
+
     def _fallback(self, model: str) -> tuple[tuple[str, ...], str] | None:
         """The targets a name nothing serves is sent to: the first alias pattern it matches,
         else :meth:`unknown_names_go_to`'s model."""
