@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -39,7 +38,7 @@ PREFILL_POINTS = ((256, 0), (1024, 0), (4096, 0), (8192, 0), (16384, 0), (1024, 
                   (4096, 16384), (1024, 24576))  # fmt: skip
 #: Streams at once, and the context they decode over.
 DECODE_POINTS = ((1, 256), (4, 256), (8, 256), (16, 256), (1, 8192), (4, 8192), (8, 8192),
-                 (1, 20480), (4, 20480))  # fmt: skip
+                 (1, 16384), (4, 16384), (8, 16384), (2, 24576))  # fmt: skip
 DECODE_TOKENS = 64
 #: Each point is measured this often and the fastest kept: the least disturbed by whatever
 #: else the machine runs.
@@ -170,14 +169,13 @@ class Calibration:
         async with trio.open_nursery() as nursery:
             for i in range(streams):
                 nursery.start_soon(one, i)
-        # Each stream's decode, from its first token to its last: every stream's short tail
-        # is prefilled in the first step, so all of them decode together throughout. A
-        # stream that fell behind gets several tokens in one chunk; they are counted.
-        rates = [
-            (events[-1][0] - events[1][0]) / max(1, sum(n for _, n in events[2:]))
-            for events in results
-        ]
-        step = statistics.median(rates)
+        # Every stream's short tail is prefilled in one step, then all of them decode
+        # together, one token each a step, until they end together: from the last first
+        # token to the last answer's end is DECODE_TOKENS - 1 steps. (A stream's own chunk
+        # times say less: a stream that falls behind gets several tokens in one chunk.)
+        first = max(events[1][0] for events in results)
+        last = max(events[-1][0] for events in results)
+        step = (last - first) / (DECODE_TOKENS - 1)
         return Measurement(
             "decode", f"B={streams} C={context}", step,
             decode_features(streams, context + DECODE_TOKENS // 2),  # type: ignore[arg-type]
