@@ -96,7 +96,8 @@ def assert_audited(rows: list[dict[str, Any]], endpoint: str, *, calls: int) -> 
 
 
 async def test_anthropic_sdk_messages_with_tools(tmp_path: Path) -> None:
-    async with proxy_on_sim(tmp_path) as setup:
+    # One model served sends every other name to it: 'none' keeps the gateway's 404 to check.
+    async with proxy_on_sim(tmp_path, default_model="none") as setup:
         with setup.anthropic() as client:
             message = [{"role": "user", "content": "List the files."}]
 

@@ -29,7 +29,8 @@ def promtool(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[str]
 
 async def test_the_metrics_of_a_run_pass_promtool_check_metrics(tmp_path: Path) -> None:
     async with (
-        proxy_on_sim(tmp_path) as setup,
+        # 'none': the one model served does not take the unknown name, which is refused.
+        proxy_on_sim(tmp_path, default_model="none") as setup,
         httpx.AsyncClient(base_url=setup.proxy.url, timeout=10) as client,
     ):
         await answered_streamed_and_refused(client)

@@ -93,7 +93,8 @@ async def answered_streamed_and_refused(client: httpx.AsyncClient) -> None:
 
 async def test_metrics_text_counts_steps_and_latencies(tmp_path: Path) -> None:
     async with (
-        proxy_on_sim(tmp_path) as setup,
+        # 'none': the one model served does not take the unknown name, which is refused.
+        proxy_on_sim(tmp_path, default_model="none") as setup,
         httpx.AsyncClient(base_url=setup.proxy.url, timeout=10) as client,
     ):
         await answered_streamed_and_refused(client)

@@ -262,7 +262,8 @@ async def answers(tmp_path: Path) -> list[tuple[int, dict[str, str], bytes]]:
     ]
     seen: list[tuple[int, dict[str, str], bytes]] = []
     db = tmp_path / "audit.db"
-    async with proxy_before_burst_backend(db) as (_, client):
+    # 'none': the unknown model is refused (404), not sent to the one model the backend serves.
+    async with proxy_before_burst_backend(db, default_model="none") as (_, client):
         for path, content, headers in requests:
             r = await client.post(path, content=content, headers=headers)
             kept = {k: v for k, v in r.headers.items() if k not in ("date", "x-request-id")}
