@@ -301,3 +301,20 @@ class StepCounter(trio.abc.Instrument):
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         if task is self.task:
             self.steps += 1
+
+
+def test_a_backend_with_credentials_gets_one_authorization_header_its_own() -> None:
+    # An SDK always sends its key; with the backend's Basic credentials as well, nginx answered
+    # 400 to every call. The backend's credentials win and the client's header is not sent.
+    pool = H1Pool("http://user:pw@127.0.0.1:9/v1", connect_timeout=5, max_connections=1)
+    sent = [("Authorization", "Bearer sk-client"), ("x-other", "1")]
+    head = pool.head(UpstreamRequest("POST", "/chat", sent, b"{}")).decode("latin-1")
+    lines = [line.lower() for line in head.split("\r\n")]
+    assert [line for line in lines if line.startswith("authorization:")] == [
+        "authorization: basic dxnlcjpwdw=="
+    ]
+    assert "x-other: 1" in lines
+    # Without credentials of its own, the backend gets the client's header as before.
+    plain = H1Pool("http://127.0.0.1:9/v1", connect_timeout=5, max_connections=1)
+    head = plain.head(UpstreamRequest("POST", "/chat", sent, b"{}")).decode("latin-1")
+    assert "Authorization: Bearer sk-client" in head.split("\r\n")

@@ -383,9 +383,14 @@ class H1Pool:
         self.prefix = parts.path.rstrip("/")
         netloc = parts.netloc.rsplit("@", 1)[-1]
         head = f"host: {netloc}\r\n"
+        #: Headers of the request not sent as the client gave them: the ones this pool writes.
+        self._own = _OWN
         if parts.username is not None or parts.password is not None:
             secret = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
             head += f"authorization: Basic {base64.b64encode(secret.encode()).decode()}\r\n"
+            # The backend's credentials win: a second Authorization (an SDK always sends its
+            # key) makes nginx and most servers answer 400, whichever one they would accept.
+            self._own = _OWN | {"authorization"}
         self._fixed = head.encode("latin-1")
         self.connect_timeout = connect_timeout
         self._slots = trio.Semaphore(max_connections)
@@ -408,7 +413,7 @@ class H1Pool:
         lines = [f"{request.method} {self.prefix}{request.target} HTTP/1.1\r\n".encode("latin-1")]
         lines.append(self._fixed)
         for name, value in request.headers:
-            if name.lower() in _OWN:
+            if name.lower() in self._own:
                 continue
             # The bytes the client sent: the server decoded them as latin-1.
             raw = name.encode("latin-1", "replace") + b": " + value.encode("latin-1", "replace")
