@@ -301,16 +301,11 @@ class Exchange:
                             self._log_error_event(relayed, tap.error)
                         self.finish(self.status_code, error=tap.error)
                 elif tap.overflowed:
-                    # An event without end, past the bound: the backend is broken, and a relay
-                    # that kept buffering it would be too. End the stream cleanly, in-band.
-                    fault = BackendProtocolError(
-                        f"Backend {self.node.url} sent a stream event larger than the proxy "
-                        f"reads ({tap.error}); the stream was ended.",
-                        backend=self.node.url,
-                    )
-                    self.finish(describe(fault)[0], error=fault.message)
-                    self._log_cut(relayed, fault)
-                    yield _at_boundary((before + last)[-4:]) + self.call.wire.error_event(fault)
+                    # An event past the bound: a relay that kept buffering it could be made to
+                    # hold any amount. The tap dropped it whole; end the stream cleanly, in-band.
+                    if out:
+                        yield out
+                    yield self._overflow_end(tap, relayed + len(out))
                     return
                 if out:
                     before = (before + last)[-4:] if len(out) < 4 else b""
@@ -324,6 +319,9 @@ class Exchange:
                 with trio.CancelScope(shield=True):
                     await close()
         tail = tap.flush()
+        if tap.overflowed and not self.done:
+            yield self._overflow_end(tap, relayed)
+            return
         if self.first_token_at is None:
             # An answer with no output at all (or one the tap could not read): its first byte.
             self.first_token_at = first_byte_at
@@ -333,6 +331,18 @@ class Exchange:
         self.finish(self.status_code, error=tap.error)
         if tail:
             yield tail
+
+    def _overflow_end(self, tap: Tap, relayed: int) -> bytes:
+        """The step and the client's error event for a stream whose event was too long (the
+        tap relays complete events only, so the error event starts an event of its own)."""
+        fault = BackendProtocolError(
+            f"Backend {self.node.url} sent a stream event larger than the proxy relays "
+            f"({tap.error}); ask for a shorter answer (fewer tokens, smaller tool results).",
+            backend=self.node.url,
+        )
+        self.finish(describe(fault)[0], error=fault.message)
+        self._log_cut(relayed, fault)
+        return self.call.wire.error_event(fault)
 
     def _log_cut(self, relayed: int, error: BackendError) -> None:
         """One line per answer a backend cut mid-way: the client got an in-band error event

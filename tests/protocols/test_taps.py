@@ -94,10 +94,19 @@ def test_responses_tap_reads_the_same_whatever_the_split(cuts: list[int]) -> Non
     assert tap.content_started
 
 
-def test_without_hiding_each_chunk_is_forwarded_the_moment_it_arrives() -> None:
+def test_without_hiding_each_event_is_forwarded_whole_as_soon_as_it_ends() -> None:
+    # A partial event is held: a client cannot read it before its blank line anyway, and one
+    # that grows past the bound is then dropped whole rather than cut (the client's SSE parser
+    # would choke on the half it had).
     tap = ChatTap(hide_usage_chunk=False)
-    for piece in split(b"".join(chat_events()), [7, 100, 101, 350, 900]):
-        assert tap.feed(piece) == piece
+    stream = b"".join(chat_events())
+    out = [tap.feed(piece) for piece in split(stream, [7, 100, 101, 350, 900])]
+    assert b"".join(out) + tap.flush() == stream
+    assert all(piece == b"" or piece.endswith(b"\n\n") for piece in out)
+    first, second = chat_events()[:2]
+    again = ChatTap(hide_usage_chunk=False)
+    assert again.feed(first + second[:10]) == first
+    assert again.feed(second[10:]) == second
 
 
 def test_hiding_forwards_each_event_as_soon_as_it_ends() -> None:
@@ -154,12 +163,18 @@ def test_scanning_is_linear_in_the_bytes_fed(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize("hide", [True, False])
-def test_an_event_past_the_cap_stops_reading_but_keeps_relaying(hide: bool) -> None:
+def test_an_event_past_the_cap_is_dropped_whole_and_the_stream_given_up(hide: bool) -> None:
     tap = ChatTap(hide_usage_chunk=hide, max_event_bytes=256)
     huge = sse(chunk({"content": "y" * 1000}))
     rest = sse(CHAT_USAGE) + sse("[DONE]")
-    stream = sse(chunk({"content": "a"})) + huge + rest
-    assert run(tap, split(stream, list(range(0, len(stream), 50)))) == stream
+    before = sse(chunk({"content": "a"}))
+    stream = before + huge + rest
+    out = b""
+    for piece in split(stream, list(range(0, len(stream), 50))):
+        out += tap.feed(piece)
+        if tap.overflowed:
+            break  # the gateway ends the stream here with the protocol's error event
+    assert out == before
     assert tap.error is not None
     assert "256 bytes" in tap.error
     assert tap.usage is None  # the usage chunk came after the stream was given up
@@ -315,7 +330,12 @@ def test_usage_read_before_an_over_long_event_is_not_reported_as_the_whole() -> 
         ),
     )
     tap = MessagesTap(max_event_bytes=300)
-    assert run(tap, events) == b"".join(events)
+    out = b""
+    for event in events:
+        out += tap.feed(event)
+        if tap.overflowed:
+            break
+    assert out == b"".join(events[:3])
     assert tap.usage is None
     assert tap.error is not None
 
@@ -329,18 +349,27 @@ def test_whatever_the_cap_and_split_the_client_gets_the_stream(
     events.insert(2, sse(chunk({"content": "w" * 700})))
     stream = b"".join(events)
     tap = ChatTap(hide_usage_chunk=hide, max_event_bytes=cap)
-    out = run(tap, split(stream, cuts))
-    overflowed = tap.error is not None
-    assert overflowed == (cap < max(len(e) - 2 for e in events))  # an event, less its blank line
-    if hide and not overflowed:
-        assert out == b"".join(e for e in events if b'"usage"' not in e)
+    out = b""
+    for piece in split(stream, cuts):
+        out += tap.feed(piece)
+        if tap.overflowed:
+            break  # the gateway ends the stream here
     else:
-        assert out == stream  # the usage chunk comes after the long event: relayed as it is
+        out += tap.flush()
+    overflowed = tap.error is not None
+    too_long = [len(e) - 2 > cap for e in events]  # an event, less its blank line
+    assert overflowed == any(too_long)
+    # The client gets the complete events before the first too long, none of it.
+    relayed = events[: too_long.index(True)] if overflowed else events
+    if hide:
+        relayed = [e for e in relayed if b'"usage"' not in e]
+    assert out == b"".join(relayed)
     assert (tap.usage is None) == overflowed
 
 
-def test_a_trailing_event_past_the_cap_is_relayed_unread() -> None:
+def test_a_trailing_event_past_the_cap_is_dropped() -> None:
     tail = b"data: " + b"v" * 96  # 102 bytes, and the stream ends without a blank line
     tap = ChatTap(hide_usage_chunk=True, max_event_bytes=100)
-    assert run(tap, [tail]) == tail
+    assert run(tap, [tail]) == b""
+    assert tap.overflowed
     assert tap.error is not None

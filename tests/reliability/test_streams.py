@@ -82,7 +82,7 @@ async def test_a_50mb_event_ends_the_stream_cleanly_as_a_backend_fault(
             assert rest.endswith(b"\n\ndata: [DONE]\n\n")
             error = json.loads(rest.split(b"\n\n")[0][len(b"data: ") :])["error"]
             assert error["code"] == 502
-            assert "larger than the proxy reads" in error["message"]
+            assert "larger than the proxy relays" in error["message"]
             health = await client.get("/health")
             assert health.status_code == 200
     db = tmp_path / "audit.db"
@@ -91,20 +91,20 @@ async def test_a_50mb_event_ends_the_stream_cleanly_as_a_backend_fault(
     await wait_for(lambda: bool(query(db, "SELECT 1 FROM steps WHERE program_id = 'huge'")))
     row = step_row(db, "huge")
     assert row["status"] == 502
-    assert "larger than the proxy reads" in row["error"]
+    assert "larger than the proxy relays" in row["error"]
 
 
-async def test_an_endless_event_relayed_as_it_came_is_closed_before_the_error(
+async def test_an_endless_event_with_nothing_hidden_is_dropped_before_the_error(
     fuzz: FuzzBackend, proxy: RunningProxy
 ) -> None:
-    # With the usage chunk asked for, nothing is hidden and bytes pass as they arrive, so part
-    # of the endless event is already out when the bound is reached: the error event must still
-    # be an event of its own, which the client's SSE parser reads.
+    # With the usage chunk asked for, nothing is hidden; the endless event is still held, not
+    # relayed in part, so the error event is an event of its own that the client's SSE parser
+    # reads, after the complete events before it.
     fuzz.answers["half"] = Answer(
         content_type="text/event-stream",
         pieces=(CONTENT[0], b'data: {"choices": [{"delta": {"content": "'),
         filler=b"y" * 65_536,
-        filler_count=40,  # 2.6 MB, never ended
+        filler_count=540,  # 35 MB, past the 32 MiB bound, never ended
     )
     request = {
         "messages": HELLO,
@@ -114,6 +114,8 @@ async def test_an_endless_event_relayed_as_it_came_is_closed_before_the_error(
     }
     async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
         r = await client.post("/v1/chat/completions", json=request, headers={"x-fuzz-case": "half"})
+    assert r.content.startswith(CONTENT[0])
+    assert b"yyyy" not in r.content
     events = r.content.split(b"\n\n")
     assert events[-1] == b""
     assert events[-2] == b"data: [DONE]"
@@ -156,3 +158,78 @@ async def test_impossible_usage_is_noted_not_believed(
     huge = step_row(db, "huge")
     assert (huge["status"], huge["prompt_tokens"]) == (200, MAX_TOKENS)
     assert "clamped" in huge["error"]
+
+
+def sse_named(name: str, payload: Any) -> bytes:
+    return f"event: {name}\n".encode() + event(payload)
+
+
+#: One event of 16 MiB: a tool call's arguments or a file's text in one delta, or a Responses
+#: ``response.completed`` repeating a long answer. At a 1 MiB bound they were cut.
+BIG = "y" * (16 << 20)
+
+BIG_STREAMS = {
+    "/v1/chat/completions": b"".join(
+        [
+            CONTENT[0],
+            event({"choices": [{"delta": {"content": BIG}}]}),
+            USAGE_CHUNK,
+            b"data: [DONE]\n\n",
+        ]
+    ),
+    "/v1/messages": b"".join(
+        [
+            sse_named(
+                "message_start",
+                {"type": "message_start", "message": {"usage": {"input_tokens": 5}}},
+            ),
+            sse_named(
+                "content_block_delta",
+                {"type": "content_block_delta", "delta": {"type": "text_delta", "text": BIG}},
+            ),
+            sse_named("message_delta", {"type": "message_delta", "usage": {"output_tokens": 2}}),
+            sse_named("message_stop", {"type": "message_stop"}),
+        ]
+    ),
+    "/v1/responses": b"".join(
+        [
+            sse_named(
+                "response.output_text.delta", {"type": "response.output_text.delta", "delta": "a"}
+            ),
+            sse_named(
+                "response.completed",
+                {
+                    "type": "response.completed",
+                    "response": {
+                        "id": "resp_big",
+                        "output": [{"type": "message", "content": [{"text": BIG}]}],
+                        "usage": {"input_tokens": 5, "output_tokens": 2},
+                    },
+                },
+            ),
+        ]
+    ),
+}
+
+
+@pytest.mark.parametrize("path", list(BIG_STREAMS))
+async def test_a_16_mib_event_is_relayed_whole_on_every_protocol(
+    fuzz: FuzzBackend, proxy: RunningProxy, tmp_path: Path, path: str
+) -> None:
+    stream = BIG_STREAMS[path]
+    fuzz.answers["big"] = Answer(content_type="text/event-stream", pieces=(stream,))
+    request: dict[str, Any] = {"messages": HELLO, "stream": True, "max_tokens": 8}
+    if path == "/v1/chat/completions":
+        request["stream_options"] = {"include_usage": True}  # else the usage chunk is hidden
+    if path == "/v1/responses":
+        request = {"input": "hi", "stream": True}
+    headers = {"x-fuzz-case": "big", "x-program-id": "big"}
+    with trio.fail_after(30):
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            r = await client.post(path, json={"model": "m", **request}, headers=headers)
+    assert r.status_code == 200
+    assert r.content == stream
+    db = tmp_path / "audit.db"
+    await wait_for(lambda: bool(query(db, "SELECT 1 FROM steps WHERE program_id = 'big'")))
+    row = step_row(db, "big")
+    assert (row["status"], row["error"]) == (200, None)

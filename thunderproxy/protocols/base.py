@@ -22,10 +22,12 @@ from ..programs import StepUsage
 #: to ``end_step`` without conversion.
 Usage = StepUsage
 
-#: Largest single SSE event the taps read (one chunk of one answer is a few hundred bytes; a
-#: ``response.completed`` event repeats the whole answer, so allow long answers). Past it the tap
-#: stops reading, reports an error, and relays the rest untouched.
-MAX_EVENT_BYTES = 1 << 20
+#: Largest single SSE event relayed (one chunk of one answer is a few hundred bytes, but a
+#: ``response.completed`` event repeats the whole answer, and a tool call's arguments can come as
+#: one delta of megabytes: at 1 MiB such answers were cut). An event is held until it ends, so
+#: this is also what one stream may hold in memory. Past it the stream ends with the protocol's
+#: error event and the step says why (PROTOCOLS.md).
+MAX_EVENT_BYTES = 32 << 20
 
 #: Token counts above this are a backend bug, not a prompt: no model has a context this long.
 MAX_TOKENS = 100_000_000
@@ -314,8 +316,10 @@ class SseTap:
     """Feed it a stream's bytes; it returns the bytes to forward and reads usage along the way.
 
     Subclasses implement ``_on_event``; it returns True for an event the client must not see. With
-    ``hide`` False nothing is ever removed, so each chunk is forwarded the moment it arrives and
-    the tap only reads along; with ``hide`` True complete events are forwarded as they end.
+    ``hide`` False nothing is ever removed. Either way complete events are forwarded as they end
+    and a partial one is held until its blank line (a client cannot read it before): so an event
+    past ``max_event_bytes`` is dropped whole, and the client's stream stays parseable up to the
+    error event that replaces it.
 
     After the stream: ``usage`` (None if never reported), ``error`` (the upstream's own error
     event, a negative usage report, or an over-long event), and ``content_started`` (the stream
@@ -361,10 +365,10 @@ class SseTap:
             if match is None:
                 break
             if match.start() - start > self.max_event_bytes:
-                return self._overflow(kept, chunk, start)
+                return self._overflow(kept)
             raw = bytes(self._buffer[start : match.start()])
-            hidden = self._inspect(raw)
-            if self.hide and not hidden:
+            hidden = self._inspect(raw) and self.hide
+            if not hidden:
                 kept += self._buffer[start : match.end()]
             start = match.end()
         if start:
@@ -373,8 +377,8 @@ class SseTap:
         self._scan_from = len(self._buffer)
         # The partial event may hold up to 3 bytes of its closing blank line.
         if len(self._buffer) > self.max_event_bytes + _BOUNDARY_OVERLAP:
-            return self._overflow(kept, chunk, 0)
-        return bytes(kept) if self.hide else chunk
+            return self._overflow(kept)
+        return bytes(kept)
 
     def flush(self) -> bytes:
         """Whatever trails the last complete event when the stream ends."""
@@ -385,19 +389,17 @@ class SseTap:
             return b""
         if len(rest.rstrip(b"\r\n")) > self.max_event_bytes:
             self._give_up()
-            return rest if self.hide else b""
-        hidden = self._inspect(rest)
-        if not self.hide or hidden:
-            return b""  # already forwarded as it arrived, or an event the client must not see
+            return b""
+        if self._inspect(rest) and self.hide:
+            return b""  # an event the client must not see
         return rest
 
-    def _overflow(self, kept: bytearray, chunk: bytes, start: int) -> bytes:
-        """The event at ``start`` of the buffer is too long: everything not yet forwarded goes
-        out as it is, and so does the rest of the stream."""
+    def _overflow(self, kept: bytearray) -> bytes:
+        """The event held in the buffer is too long: it is dropped, the complete events before it
+        go out, and nothing more of the stream is read."""
         self._give_up()
-        held = bytes(self._buffer[start:])
         self._buffer.clear()
-        return bytes(kept) + held if self.hide else chunk
+        return bytes(kept)
 
     def _give_up(self) -> None:
         self._overflowed = True
@@ -405,8 +407,8 @@ class SseTap:
         self.usage = None
         self._refused = True
         self.error = (
-            f"an upstream SSE event grew past {self.max_event_bytes} bytes; the proxy stopped "
-            "reading this stream (its usage is unknown) and relays it unchanged"
+            f"an upstream SSE event grew past {self.max_event_bytes} bytes, the most the proxy "
+            "relays; the stream was ended there (its usage is unknown)"
         )
 
     def _passes(self, chunk: bytes) -> bool:
