@@ -51,6 +51,7 @@ from .fastpath import (
     body_too_slow,
     headers_too_large,
     payload_too_large,
+    request_line_size,
     shutting_down,
 )
 from .guard import PassthroughGuard, parse_prefixes, reads_allowed
@@ -341,7 +342,9 @@ def create_app(services: Services) -> ThunderproxyApp:
     @app.before_request
     async def limit_headers() -> None:
         # hypercorn bounds only a head still arriving; a complete one may be larger.
-        size = sum(len(name) + len(value) + 4 for name, value in request.headers.items())
+        size = request_line_size(request.scope) + sum(
+            len(name) + len(value) + 4 for name, value in request.headers.items()
+        )
         if size > settings.max_header_bytes:
             raise headers_too_large(size, settings.max_header_bytes)
 
