@@ -53,6 +53,22 @@ def test_a_bounded_connection_refuses_huge_values_and_wide_rows() -> None:
 
 
 @pytest.mark.parametrize(
+    "sql",
+    [
+        "select hex(fts3_tokenizer('simple'))",  # leaked the tokenizer's address
+        "select fts3_tokenizer('simple', x'4141414141414141')",  # would overwrite it
+        "select upper(FTS3_TOKENIZER('porter'))",
+    ],
+)
+def test_a_bounded_connection_refuses_fts3_tokenizer(sql: str) -> None:
+    conn = sqlite3.connect(":memory:")
+    bound_connection(conn)
+    with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
+        conn.execute(sql)
+    assert conn.execute("select lower('OK'), length('abc')").fetchone() == ("ok", 3)
+
+
+@pytest.mark.parametrize(
     ("sql", "error"),
     [
         pytest.param("select randomblob(1e9)", "string or blob too big", id="1GB-value"),

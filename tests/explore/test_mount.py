@@ -4,6 +4,7 @@ answers them, read-only, the access hook, and the proxy's own routes untouched."
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlencode
@@ -144,3 +145,34 @@ async def test_live_rows_show_up_while_the_proxy_writes(proxy_url: str) -> None:
         with trio.fail_after(5):
             while (await c.get(count)).json()["rows"][0]["n"] != before + 1:
                 await trio.sleep(0.02)
+
+
+async def test_a_url_too_long_for_the_explorer_is_414_in_its_shape(
+    backend: FakeBackend, history_copy: Path
+) -> None:
+    # A head limit that lets the URL reach the explorer's relay, where it was a bare 500.
+    async with (
+        running_proxy(
+            history_copy, backends=backend.url, restore=False, max_header_bytes=512 * 1024
+        ) as proxy,
+        httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+    ):
+        host, port = proxy.url.removeprefix("http://").split(":")
+        for size in (40_000, 70_000):
+            # Raw bytes: httpx refuses to send a URL this long at all.
+            target = b"/datasette/audit.json?sql=select+1+--+" + b"x" * size
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream:
+                await stream.send_all(
+                    b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                )
+                answer = b""
+                with trio.fail_after(10):
+                    while chunk := await stream.receive_some():
+                        answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 414"), answer[:300]
+            error = json.loads(body)["error"]
+            assert error["type"] == "uri_too_long"
+            assert "Shorten the query" in error["message"]
+        assert (await client.get("/health")).status_code == 200

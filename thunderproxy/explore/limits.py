@@ -83,9 +83,26 @@ def budgeted(factory: RowFactory, budget: int = MAX_RESULT_BYTES) -> RowFactory:
     return row
 
 
+#: SQL functions no query of the explorer may call. ``fts3_tokenizer(name)`` returns a
+#: tokenizer's address in the process (a pointer leak) and ``fts3_tokenizer(name, blob)`` sets
+#: it: a query could point SQLite at any memory. ``load_extension`` would load any library.
+REFUSED_FUNCTIONS = frozenset({"fts3_tokenizer", "load_extension"})
+
+
+def refuse_unsafe_functions(
+    action: int, arg1: str | None, arg2: str | None, _db: str | None, _trigger: str | None
+) -> int:
+    """The explorer's SQLite authorizer: every statement is allowed but calls of
+    ``REFUSED_FUNCTIONS``, which SQLite then refuses with "not authorized"."""
+    if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in REFUSED_FUNCTIONS:
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
+
+
 def bound_connection(conn: sqlite3.Connection) -> None:
     """Apply the bounds to one of Datasette's connections (after Datasette set its row
     factory)."""
+    conn.set_authorizer(refuse_unsafe_functions)
     conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
     conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, MAX_COLUMNS)
     conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, MAX_PATTERN_BYTES)

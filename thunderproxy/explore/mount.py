@@ -48,6 +48,9 @@ REQUEST_WAIT_S = 20.0
 COMPONENT = "explorer"
 #: How long the relay waits for the explorer's next bytes.
 RELAY_READ_TIMEOUT_S = 600.0
+#: Longest request target (path and query) relayed to the explorer: past httpx's own bound
+#: (64 KiB) the relay failed with a bare 500; a SQL query in a URL is a few KB.
+MAX_TARGET_BYTES = 32 * 1024
 #: After SIGTERM, how long the child may take to stop before SIGKILL.
 STOP_GRACE_S = 3.0
 #: Headers of one hop, not relayed (RFC 9110 §7.6.1); the admin token stays with the proxy.
@@ -332,18 +335,25 @@ class DatasetteMount:
 
     async def relay(self, scope: Scope, send: Send) -> None:
         explorer = self.explorer
+        target = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        if len(target) > MAX_TARGET_BYTES:
+            await self._too_long(send, len(target))
+            return
         with trio.move_on_after(REQUEST_WAIT_S):
             await explorer.wait_up()
         if explorer.state != "up":
             await self._unavailable(send, 503, f"is {explorer.state}")
             return
-        target = scope.get("raw_path") or scope["path"].encode()
-        if scope.get("query_string"):
-            target += b"?" + scope["query_string"]
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() not in HOP_HEADERS]
-        request = self.client.build_request(
-            scope["method"], "http://explorer" + target.decode("latin-1"), headers=headers
-        )
+        try:
+            request = self.client.build_request(
+                scope["method"], "http://explorer" + target.decode("latin-1"), headers=headers
+            )
+        except httpx.InvalidURL:
+            await self._too_long(send, len(target))  # httpx's own bound, should it be lower
+            return
         try:
             response = await self.client.send(request, stream=True)
         except httpx.TransportError as exc:
@@ -365,6 +375,15 @@ class DatasetteMount:
             await send({"type": "http.response.body", "body": b""})
         finally:
             await response.aclose()
+
+    async def _too_long(self, send: Send, size: int) -> None:
+        error = {
+            "message": f"The URL is {size} bytes; the explorer takes at most "
+            f"{MAX_TARGET_BYTES}. Shorten the query, or run it with sqlite3 on a copy of the "
+            "audit db.",
+            "type": "uri_too_long",
+        }
+        await _respond(send, 414, {"error": error}, [])
 
     async def _unavailable(self, send: Send, status: int, what: str) -> None:
         last = self.explorer.last_exit
