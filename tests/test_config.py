@@ -12,6 +12,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from tests.conftest import query, running_proxy
 from thunderproxy.cli import cli
 from thunderproxy.config import (
     SECTIONS,
@@ -512,3 +513,18 @@ def test_serve_help_lists_the_common_options_first_then_every_setting_in_one_sec
     assert "--backends" in common
     assert "--sim NAME=VALUE" in common
     assert "--council-models" not in common
+
+
+async def test_secrets_in_any_url_setting_are_not_stored_in_runs_settings(tmp_path: Path) -> None:
+    # A search API's key in --council-search-url's query was stored in runs.settings, which
+    # Datasette shows to whoever reads the audit log.
+    url = "https://user:pw@search.example/api?key=TOPSECRET&q=x"
+    public = load_settings(council_search_url=url).public()
+    assert public["council_search_url"] == "https://search.example/api?key=<redacted>&q=<redacted>"
+    db = tmp_path / "audit.db"
+    async with running_proxy(db, backends="http://127.0.0.1:9", council_search_url=url):
+        pass
+    (row,) = query(db, "SELECT settings FROM runs")
+    assert "TOPSECRET" not in row["settings"]
+    assert "pw@" not in row["settings"]
+    assert "search.example/api?key=" in row["settings"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 
 def redact_url(url: str) -> str:
@@ -17,3 +17,16 @@ def redact_url(url: str) -> str:
     if parts.port is not None:
         host += f":{parts.port}"
     return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def redact_url_secrets(url: str) -> str:
+    """``url`` as it may be stored: no userinfo, and every query value replaced by
+    ``<redacted>`` (names kept). A search API's key is commonly a query parameter
+    (``?key=...``, ``?token=...``), and ``runs.settings`` is readable in the explorer."""
+    bare = redact_url(url)
+    parts = urlsplit(bare)
+    if not parts.query:
+        return bare
+    names = [(name, "<redacted>") for name, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    query = urlencode(names, safe="<>")
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))

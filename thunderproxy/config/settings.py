@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
-from ..urls import redact_url
+from ..urls import redact_url, redact_url_secrets
 from .limits import LimitsSpec
 from .passthrough import DEFAULT_PASSTHROUGH, parse_prefixes
 
@@ -595,6 +595,9 @@ class Settings:
         values: dict[str, Any] = {}
         for item in SETTINGS:
             value = item.get(self)
+            if isinstance(value, str) and "://" in value:
+                # Any URL setting may carry a token, in its userinfo or its query.
+                value = redact_url_secrets(value)
             values[item.name] = "<redacted>" if item.secret and value else value
         # Credentials in a backend URL go to that backend only, never to a log or the db.
         values["backends"] = [redact_url(url) for url in self.backends]
