@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from tests.jobs.fakes import ScriptedClient
-from thunderproxy.jobs.errors import JobRunning, MemberFailed, TooManyJobs
+from thunderproxy.jobs.errors import JobRunning, MemberFailed, StoreUnavailable, TooManyJobs
 from thunderproxy.jobs.llm import ChatRequest, StreamAssembler, TextDelta, ToolCall
 from thunderproxy.jobs.pipeline import CouncilConfig
 from thunderproxy.jobs.runner import CouncilRunner
@@ -209,3 +209,30 @@ def test_a_council_that_cannot_work_is_refused_at_startup(models: str, message: 
 
     with pytest.raises(ConfigError, match=message):
         council_config(load_settings(council_models=models))
+
+
+async def test_a_store_failure_inside_a_stage_is_named_plainly_in_the_error_event(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stage's members run in a nursery, which wraps what they raise: the client read
+    # "ExceptionGroup(...StoreUnavailable...)" instead of the cause.
+    runner = await start_runner(nursery, tmp_path, ScriptedClient(answers))
+    real_append = runner.store.append
+
+    async def append(job_id: str, seq: int, type: str, data: dict[str, Any]) -> Any:
+        if type == "stage1_member":
+            raise StoreUnavailable("The audit db is full (database or disk is full).")
+        return await real_append(job_id, seq, type, data)
+
+    monkeypatch.setattr(runner.store, "append", append)
+    conversation = (await runner.store.create_conversation())["id"]
+    with trio.fail_after(20):
+        job = await runner.start(conversation, "A question")
+        await runner.wait(job)
+    (error,) = [e for e in await runner.store.events(job) if e.type == "error"]
+    message = error.data["message"]
+    assert "ExceptionGroup" not in message
+    assert message == (
+        "The council job stopped: it could not record its progress in the audit db. "
+        "The audit db is full (database or disk is full)."
+    )

@@ -40,6 +40,14 @@ RELEASE_GRACE_S = 5.0
 UNRECORDED_KEPT = 256
 
 
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, nested groups opened; ``[exc]`` for any
+    other exception."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in leaves(inner)]
+    return [exc]
+
+
 @dataclass
 class LiveJob:
     """A job running in this process: its events so far (seq i at index i-1) and a wake-up
@@ -300,16 +308,23 @@ class CouncilRunner:
             await release()
             await self.store.update_job(job_id, status="complete", finished_at=self.store.now())
             await emit("complete", {})
-        except JobFailed as exc:
-            await fail(exc.message)
-        except StoreUnavailable as exc:
-            await fail(
-                "The council job stopped: it could not record its progress in the audit db. "
-                + exc.message
-            )
         except Exception as exc:
-            log.exception("council job %s failed", job_id)
-            await fail(f"The council job failed unexpectedly: {exc!r}; see the proxy's log.")
+            # A stage's nursery wraps what its tasks raised in an ExceptionGroup: the client is
+            # told the causes themselves, not the group's repr.
+            causes = leaves(exc)
+            failed = [c for c in causes if isinstance(c, JobFailed)]
+            store = [c for c in causes if isinstance(c, StoreUnavailable)]
+            if failed:
+                await fail(failed[0].message)
+            elif store:
+                await fail(
+                    "The council job stopped: it could not record its progress in the audit "
+                    "db. " + store[0].message
+                )
+            else:
+                log.exception("council job %s failed", job_id)
+                plain = "; ".join(f"{type(c).__name__}: {c}" for c in causes)
+                await fail(f"The council job failed unexpectedly ({plain}); see the proxy's log.")
         finally:
             live.finished = True
             self.live.pop(job_id, None)
