@@ -26,7 +26,7 @@ answer alike (tests/http/test_relay_fastpath.py checks that these paths take thi
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -102,7 +102,7 @@ def shutting_down() -> ShuttingDown:
     )
 
 
-def request_line_size(scope: dict[str, Any]) -> int:
+def request_line_size(scope: Mapping[str, Any]) -> int:
     """The request line's bytes (``POST /path?query HTTP/1.1``, CRLF): part of the head the
     limit bounds. Left out, a 60 KB URL passed a limit of 8 KB."""
     target = len(scope.get("raw_path") or scope["path"].encode())
