@@ -36,13 +36,15 @@ from .server import Echo, EngineServer
 #: Prompt lengths (fresh tokens, cached tokens before them) of the prefill measurements.
 PREFILL_POINTS = ((256, 0), (1024, 0), (4096, 0), (8192, 0), (16384, 0), (1024, 8192),
                   (4096, 16384), (1024, 24576))  # fmt: skip
-#: Streams at once, and the context they decode over.
-DECODE_POINTS = ((1, 256), (4, 256), (8, 256), (16, 256), (1, 8192), (4, 8192), (8, 8192),
-                 (1, 16384), (4, 16384), (8, 16384), (2, 24576))  # fmt: skip
+#: Streams at once, and the context they decode over: mostly where agent programs decode (a
+#: few streams over 8K to 24K tokens each), a few short contexts for the fixed cost.
+DECODE_POINTS = ((1, 256), (4, 256), (16, 256), (1, 8192), (2, 8192), (4, 8192), (8, 8192),
+                 (1, 16384), (2, 16384), (3, 16384), (4, 16384), (2, 24576))  # fmt: skip
 DECODE_TOKENS = 64
-#: Each point is measured this often and the fastest kept: the least disturbed by whatever
-#: else the machine runs.
-REPEATS = 2
+#: Each point is measured this often and the median kept: the machine's speed drifts by
+#: tens of percent from minute to minute, and a replay runs at its typical speed, not its
+#: best.
+REPEATS = 3
 #: The constants fitted, in the order of a measurement's features.
 CONSTANTS = ("t_fixed_ms", "c_tok_us", "c_kv_ns", "c_attn_ns", "c_prep_us")
 #: Each constant's unit in seconds.
@@ -186,17 +188,21 @@ class Calibration:
         await self._stream(self.prompts.text(64), 8)  # warm-up: first request costs more
         for fresh, cached in PREFILL_POINTS:
             runs = [await self.prefill(fresh, cached) for _ in range(REPEATS)]
-            best = min(runs, key=lambda m: m.seconds)  # the least disturbed of the repeats
+            best = median(runs)
             self.echo(f"  prefill {best.label:>16}: {best.seconds * 1e3:8.1f} ms")
             out.append(best)
             await self.server.reset_prefix_cache(self.client)
         for streams, context in DECODE_POINTS:
             runs = [await self.decode(streams, context) for _ in range(REPEATS)]
-            best = min(runs, key=lambda m: m.seconds)
+            best = median(runs)
             self.echo(f"  decode  {best.label:>16}: {best.seconds * 1e3:8.2f} ms a step")
             out.append(best)
             await self.server.reset_prefix_cache(self.client)
         return out
+
+
+def median(runs: Sequence[Measurement]) -> Measurement:
+    return sorted(runs, key=lambda m: m.seconds)[len(runs) // 2]
 
 
 def fit(measurements: Sequence[Measurement]) -> dict[str, float]:
