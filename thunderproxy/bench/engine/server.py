@@ -290,17 +290,21 @@ class EngineServer:
         )
 
     async def stop(self) -> None:
-        process = self.process
-        if process is None:
-            return
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                with trio.move_on_after(STOP_GRACE_S):
-                    await process.wait()
-            if process.returncode is None:
-                process.kill()
+        if self.process is not None:
+            await stop_process(self.process, STOP_GRACE_S)
+
+
+async def stop_process(process: trio.Process, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``grace_s``; shielded, so that a
+    cancelled bench still stops what it started."""
+    with trio.CancelScope(shield=True):
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(grace_s):
                 await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 async def start_engine(

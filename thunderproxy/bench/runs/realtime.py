@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -180,15 +179,7 @@ async def start_child(
 
 async def stop_child(child: Child) -> None:
     """SIGTERM, then SIGKILL if it has not exited within the grace period."""
-    process = child.process
-    with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(STOP_GRACE_S):
-                await process.wait()
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+    await engine.stop_process(child.process, STOP_GRACE_S)
 
 
 def last_run_id(db: str) -> int:
