@@ -314,7 +314,8 @@ class EngineFleet:
             return
         python = await trio.to_thread.run_sync(engine.install, self.echo)
         vocabulary = Vocabulary(seed=config.seed)
-        sim_config = config.sim_config(self.workload, "direct", time_scale=1.0)
+        sim_config = engine_settings(config.sim_config(self.workload, "direct", time_scale=1.0),
+                                     self.workload)  # fmt: skip
         made = engine_model.write_model(
             self.scratch / "engine", vocabulary, max_model_len=sim_config.max_model_len
         )
@@ -369,6 +370,23 @@ class EngineFleet:
 
 
 Fleet = SimFleet | EngineFleet
+
+
+def engine_settings(config: SimConfig, workload: Workload) -> SimConfig:
+    """The simulator's settings as the engine takes them: vLLM refuses a context length its KV
+    cache cannot hold, so a small cache gets a shorter one (still longer than any prompt of
+    the workload; the simulator's longer one changes nothing for prompts that fit)."""
+    usable = (config.resolved_num_gpu_blocks() - 1) * config.resolved_block_size()
+    need = workload.max_context_tokens + 1
+    if need > usable:
+        raise BenchError(
+            f"the longest prompt of the workload ({workload.max_context_tokens:,} tokens) does "
+            f"not fit the engine's KV cache ({usable:,} tokens): raise --kv-tokens or cut the "
+            "programs with --max-steps"
+        )
+    if config.max_model_len <= usable:
+        return config
+    return config.replace(max_model_len=usable)
 
 
 async def served_model(client: httpx.AsyncClient, url: str) -> str:
