@@ -168,3 +168,21 @@ def test_a_real_engine_takes_the_targets_it_can_serve() -> None:
     assert config.scale == 1.0  # the engine's clock is the wall clock
     assert config.on_simulator().virtual
     assert not config.on_simulator().on_engine
+
+
+def test_the_engines_context_length_fits_its_kv_cache() -> None:
+    from thunderproxy.bench.agents.agent import BenchError
+    from thunderproxy.bench.runs.harness import workload_for
+    from thunderproxy.bench.runs.realtime import engine_settings
+
+    config = BenchConfig(engine="vllm-cpu", programs=2, max_steps=2, kv_tokens=24_576)
+    workload = workload_for(config)
+    settings = config.sim_config(workload, "direct", time_scale=1.0).replace(block_size=32)
+    assert settings.max_model_len == 32_768
+    # vLLM refuses a context length over what its 767 usable blocks hold.
+    assert engine_settings(settings, workload).max_model_len == 767 * 32
+    roomy = settings.replace(kv_capacity_tokens=131_072)
+    assert engine_settings(roomy, workload).max_model_len == 32_768
+    tight = settings.replace(kv_capacity_tokens=2_048)
+    with pytest.raises(BenchError, match="raise --kv-tokens"):
+        engine_settings(tight, workload)
