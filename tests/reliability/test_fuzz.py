@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from tests.conftest import query
 from tests.fakebackend import proxy_in_thread
 from tests.fuzzbackend import Answer, FuzzBackend, answers, serve_fuzz_backend, texts
+from thunderproxy.protocols.base import MAX_EVENT_BYTES
 from thunderproxy.protocols.openai_chat import ChatTap
 from thunderproxy.runtime import RunningProxy
 
@@ -261,7 +262,12 @@ EVENT_BOUNDARY = re.compile(rb"(\A|\r?\n\r?\n)\Z")
 def cut_by_proxy(answer: Answer) -> bool:
     """Whether a relayed stream must end with the proxy's own error event: it was cut, or never
     ends an event, before its protocol's end (``data: [DONE]``) passed whole."""
-    unended = answer.filler_count and b"\n\n" not in answer.filler
+    # An event that never ends is relayed as it came up to the tap's bound, cut past it.
+    unended = (
+        answer.filler_count
+        and b"\n\n" not in answer.filler
+        and len(answer.filler) * answer.filler_count > MAX_EVENT_BYTES
+    )
     return bool(answer.cut or unended) and not ended_before_cut(answer)
 
 
