@@ -14,7 +14,7 @@ from ..config import ENGINES, BenchConfig
 from ..engine import calibrate as method
 from ..engine import model as engine_model
 from ..engine import server as engine
-from ..engine.server import Echo, EngineServer
+from ..engine.server import Echo
 from ..workloads.prompts import Vocabulary
 from . import realtime
 
@@ -42,23 +42,10 @@ async def _calibrate(config: BenchConfig, path: Path, command: str, echo: Echo) 
     vocabulary = Vocabulary(seed=config.seed)
     with tempfile.TemporaryDirectory(prefix="thunderproxy-calibrate-") as scratch:
         async with realtime.http_client(64) as client:
-            server: EngineServer
-            word_ids: list[int] = []
-            if config.engine_url:
-                server = EngineServer(config.engine_url.rstrip("/"))
-                await server.wait_healthy(client, realtime.READY_TIMEOUT_S, echo)
-                model = await realtime.served_model(client, server.url)
-            else:
-                python = await trio.to_thread.run_sync(engine.install, echo)
-                made = engine_model.write_model(
-                    Path(scratch) / "engine", vocabulary, max_model_len=CALIBRATION_MODEL_LEN
-                )
-                word_ids = list(made.word_ids)
-                model = sim_config.served_model_name
-                server = await engine.start_engine(
-                    python, made, sim_config, kv_bytes_per_token=shape.kv_bytes_per_token,
-                    client=client, log_dir=Path(scratch), echo=echo,
-                )  # fmt: skip
+            reached = await realtime.reach_engine(
+                config, sim_config, vocabulary, client=client, scratch=Path(scratch), echo=echo
+            )
+            server, model, word_ids = reached.server, reached.model, reached.word_ids
             try:
                 echo("measuring prefill and decode step times (a few minutes)")
                 run = method.Calibration(

@@ -307,26 +307,20 @@ class EngineFleet:
 
     async def start(self) -> None:
         config = self.config
-        if config.engine_url:
-            self.server = EngineServer(config.engine_url.rstrip("/"))
-            await self.server.wait_healthy(self.client, READY_TIMEOUT_S, self.echo)
-            self.model = await served_model(self.client, self.server.url)
-            return
-        python = await trio.to_thread.run_sync(engine.install, self.echo)
-        vocabulary = Vocabulary(seed=config.seed)
-        sim_config = engine_settings(config.sim_config(self.workload, "direct", time_scale=1.0),
-                                     self.workload)  # fmt: skip
-        made = engine_model.write_model(
-            self.scratch / "engine", vocabulary, max_model_len=sim_config.max_model_len
-        )
-        # Answers are drawn from the bench's words only, so that the next prompt, which
-        # carries the answer's text, retokenizes to what the engine generated.
-        self.extra_body = {"allowed_token_ids": list(made.word_ids)}
-        kv_bytes = engine_model.ModelShape().kv_bytes_per_token
-        self.server = await engine.start_engine(
-            python, made, sim_config, kv_bytes_per_token=kv_bytes, client=self.client,
-            log_dir=self.scratch, echo=self.echo,
+        settings = None
+        if not config.engine_url:
+            settings = engine_settings(
+                config.sim_config(self.workload, "direct", time_scale=1.0), self.workload
+            )
+        reached = await reach_engine(
+            config, settings, Vocabulary(seed=config.seed), client=self.client,
+            scratch=self.scratch, echo=self.echo,
         )  # fmt: skip
+        self.server, self.model = reached.server, reached.model
+        if reached.word_ids:
+            # Answers are drawn from the bench's words only, so that the next prompt, which
+            # carries the answer's text, retokenizes to what the engine generated.
+            self.extra_body = {"allowed_token_ids": list(reached.word_ids)}
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -370,6 +364,43 @@ class EngineFleet:
 
 
 Fleet = SimFleet | EngineFleet
+
+
+@dataclass(frozen=True)
+class ReachedEngine:
+    """An engine the bench can talk to, the model to ask it for, and the ids of the bench's
+    words in its tokenizer (empty for a user's own vLLM, whose tokenizer is not ours)."""
+
+    server: EngineServer
+    model: str
+    word_ids: tuple[int, ...] = ()
+
+
+async def reach_engine(
+    config: BenchConfig,
+    settings: SimConfig | None,
+    vocabulary: Vocabulary,
+    *,
+    client: httpx.AsyncClient,
+    scratch: Path,
+    echo: Echo,
+) -> ReachedEngine:
+    """The user's vLLM at ``--engine-url`` once it answers, or the CPU build installed (once)
+    and started with ``settings`` over a tiny model of ``vocabulary``'s words."""
+    if config.engine_url:
+        server = EngineServer(config.engine_url.rstrip("/"))
+        await server.wait_healthy(client, READY_TIMEOUT_S, echo)
+        return ReachedEngine(server, await served_model(client, server.url))
+    assert settings is not None, "the bench's own engine needs the simulator's settings"
+    python = await trio.to_thread.run_sync(engine.install, echo)
+    made = engine_model.write_model(
+        scratch / "engine", vocabulary, max_model_len=settings.max_model_len
+    )
+    server = await engine.start_engine(
+        python, made, settings, kv_bytes_per_token=engine_model.ModelShape().kv_bytes_per_token,
+        client=client, log_dir=scratch, echo=echo,
+    )  # fmt: skip
+    return ReachedEngine(server, settings.served_model_name, made.word_ids)
 
 
 def engine_settings(config: SimConfig, workload: Workload) -> SimConfig:
