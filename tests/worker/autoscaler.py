@@ -20,7 +20,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from thunderproxy.sim.api.asgi import lifespan, read_whole
-from thunderproxy.worker.auth import sign
+from thunderproxy.worker.auth import BODY_FIELD, body_digest, payload_bytes, sign
 
 # One key for the whole test run: RSA generation is the slow part of these tests.
 _KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -40,6 +40,9 @@ class Autoscaler:
     deletes: list[dict[str, Any]] = field(default_factory=list)
     reqnum: int = 0
     url: str = "http://autoscaler.invalid"
+    #: The worker it routes to, as the autoscaler signs it (the worker's address): the tests
+    #: that run a worker set it to where the worker listens.
+    worker_url: str = "https://10.0.0.7:41234"
 
     @property
     def public_pem(self) -> bytes:
@@ -54,29 +57,38 @@ class Autoscaler:
         endpoint: str = "test-endpoint",
         reqnum: int | None = None,
         request_idx: int | None = None,
-        url: str = "http://worker.test",
+        url: str | None = None,
+        body: bytes | None = None,
     ) -> dict[str, Any]:
+        """Signed fields for the worker at ``url`` (``worker_url``, or that and a path when
+        ``url`` starts with ``/``), bound to ``body`` when one is given."""
         if reqnum is None:
             self.reqnum += 1
             reqnum = self.reqnum
-        fields = {
+        if url is None or url.startswith("/"):
+            url = self.worker_url + (url or "")
+        fields: dict[str, Any] = {
             "cost": cost,
             "endpoint": endpoint,
             "reqnum": reqnum,
             "request_idx": reqnum if request_idx is None else request_idx,
             "url": url,
         }
+        if body is not None:
+            fields[BODY_FIELD] = body_digest(body)
         return {**fields, "signature": sign(self.key, fields)}
 
-    def wrap(self, payload: Any, **auth: Any) -> dict[str, Any]:
-        """A POST body as the autoscaler routes it."""
-        return {"auth_data": self.auth_data(**auth), "payload": payload}
+    def wrap(self, payload: Any, *, bind_body: bool = True, **auth: Any) -> dict[str, Any]:
+        """A POST body as the autoscaler routes it, signed for ``payload`` itself."""
+        body = payload_bytes(payload) if bind_body else None
+        return {"auth_data": self.auth_data(body=body, **auth), "payload": payload}
 
     def query(self, extra: dict[str, str] | None = None, **auth: Any) -> str:
-        """A query string carrying the signature (GET/DELETE/HEAD)."""
-        data = self.auth_data(**auth)
+        """A query string carrying the signature (GET/DELETE/HEAD), bound to the rest of it."""
+        rest = urlencode(extra or {})
+        data = self.auth_data(body=rest.encode(), **auth)
         params = {f"serverless_{k}": str(v) for k, v in data.items()}
-        return urlencode({**params, **(extra or {})})
+        return urlencode(params) + ("&" + rest if rest else "")
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":

@@ -43,12 +43,24 @@ async def call(
     return sent
 
 
-def http_scope(method: str, path: str, query: bytes = b"", body: bytes = b"") -> dict[str, Any]:
+def http_scope(
+    method: str,
+    path: str,
+    query: bytes = b"",
+    body: bytes = b"",
+    *,
+    server: tuple[str, int] = ("10.0.0.7", 41234),
+    scheme: str = "https",
+) -> dict[str, Any]:
+    """A request that came in on ``server`` (the autoscaler stand-in signs for that address by
+    default: ``Autoscaler.worker_url``)."""
     return {
         "type": "http",
+        "scheme": scheme,
         "method": method,
         "path": path,
         "query_string": query,
+        "server": server,
         "headers": [(b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode())],
     }  # fmt: skip
@@ -117,7 +129,7 @@ async def test_websockets_cannot_bypass_the_signature() -> None:
         ({"url": "https://10.0.0.7:41234/v1/embeddings"}, "/council/jobs", 401),
         ({"url": "/v1/embeddings/"}, "/v1//./embeddings", 200),
         ({"url": "/v1/%65mbeddings"}, "/v1/embeddings", 200),
-        ({"url": "https://w/v1/embeddings", "endpoint": "/v1/models"}, "/v1/embeddings", 401),
+        ({"url": "/v1/embeddings", "endpoint": "/v1/models"}, "/v1/embeddings", 401),
         # The autoscaler's usual values, the worker's address and the endpoint group's name,
         # name no route: the signature is good for any.
         ({"url": "https://10.0.0.7:41234", "endpoint": "my-group"}, "/council/jobs", 200),
@@ -220,3 +232,90 @@ async def test_a_body_at_the_depth_bound_passes() -> None:
     )
     assert sent[0]["status"] == 200
     assert json.loads(app.calls[0]["body"]) == payload
+
+
+async def post_signed(
+    middleware: WorkerMiddleware, body: bytes, **scope: Any
+) -> list[dict[str, Any]]:
+    return await call(
+        middleware,
+        http_scope("POST", "/v1/completions", body=body, **scope),
+        [{"type": "http.request", "body": body, "more_body": False}],
+    )
+
+
+@pytest.mark.parametrize(
+    ("signed_for", "scope", "status"),
+    [
+        ("https://10.0.0.7:41234", {}, 200),
+        ("HTTPS://10.0.0.7:41234/", {}, 200),
+        # Another worker's address, as the autoscaler routes a request to it: refused here.
+        ("https://10.0.0.8:41234", {}, 401),
+        ("https://10.0.0.7:41235", {}, 401),
+        ("http://10.0.0.7:41234", {}, 401),
+        ("https://10.0.0.7:41234", {"scheme": "http"}, 401),
+        # Default ports are the same address written shorter.
+        ("https://10.0.0.7", {"server": ("10.0.0.7", 443)}, 200),
+        # Names no address at all: not a signature for this worker.
+        ("my-endpoint", {}, 401),
+    ],
+    ids=["same", "same-written-otherwise", "other-host", "other-port", "other-scheme",
+         "came-in-plain", "default-port", "no-address"],
+)  # fmt: skip
+async def test_a_signature_for_another_workers_address_is_refused(
+    signed_for: str, scope: dict[str, Any], status: int
+) -> None:
+    """Before: the signed url's path was checked and its scheme, host and port were not, so a
+    request the autoscaler signed for one worker could be spent at any other."""
+    scaler = Autoscaler()
+    app = RecordingApp()
+    state = secured(scaler)
+    middleware = WorkerMiddleware(app, state)  # type: ignore[arg-type]
+    wrapped = scaler.wrap({"prompt": "x"}, url=signed_for)
+    sent = await post_signed(middleware, json.dumps(wrapped).encode(), **scope)
+    assert sent[0]["status"] == status, sent
+    assert len(app.calls) == (status == 200)
+    if status == 401:
+        message = json.loads(sent[1]["body"])["error"]["message"]
+        assert "names another worker" in message or "names no worker address" in message
+        assert wrapped["auth_data"]["reqnum"] not in state.replay._seen
+
+
+async def test_the_platforms_public_address_is_this_worker_too() -> None:
+    # Behind the platform's port mapping the request comes in on the container's own address
+    # while the autoscaler signs the public one (PUBLIC_IPADDR:VAST_TCP_PORT_<port>).
+    scaler = Autoscaler(worker_url="https://203.0.113.9:40123")
+    app = RecordingApp()
+    middleware = WorkerMiddleware(  # type: ignore[arg-type]
+        app, secured(scaler, public_url="https://203.0.113.9:40123")
+    )
+    body = json.dumps(scaler.wrap({"prompt": "x"})).encode()
+    assert (await post_signed(middleware, body, server=("172.17.0.2", 3000)))[0]["status"] == 200
+    # Signed (by the same autoscaler, a fresh reqnum) for another worker's public address.
+    other = Autoscaler(worker_url="https://203.0.113.10:40123", reqnum=scaler.reqnum)
+    body = json.dumps(other.wrap({"prompt": "x"})).encode()
+    assert (await post_signed(middleware, body, server=("172.17.0.2", 3000)))[0]["status"] == 401
+
+
+async def test_a_signature_bound_to_a_body_opens_no_other_body() -> None:
+    scaler = Autoscaler()
+    app = RecordingApp()
+    state = secured(scaler)
+    middleware = WorkerMiddleware(app, state)  # type: ignore[arg-type]
+    wrapped = scaler.wrap({"prompt": "two tokens", "max_tokens": 2})
+    swapped = {**wrapped, "payload": {"prompt": "two tokens", "max_tokens": 200000}}
+    sent = await post_signed(middleware, json.dumps(swapped).encode())
+    assert sent[0]["status"] == 401
+    assert "body_sha256" in json.loads(sent[1]["body"])["error"]["message"]
+    assert app.calls == []
+    # The signed body itself passes, with its reqnum not spent by the refusal.
+    assert (await post_signed(middleware, json.dumps(wrapped).encode()))[0]["status"] == 200
+    # A query signature binds the rest of the query the same way.
+    query = scaler.query({"limit": "10"}, endpoint="/v1/models")
+    assert (await call(middleware, http_scope("GET", "/v1/models", query.encode()), []))[0][
+        "status"
+    ] == 200
+    tampered = scaler.query({"limit": "10"}, endpoint="/v1/models").replace("10", "99999")
+    assert (await call(middleware, http_scope("GET", "/v1/models", tampered.encode()), []))[0][
+        "status"
+    ] == 401

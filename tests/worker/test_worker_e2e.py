@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from tests.conftest import query, running_proxy, wait_for
+from tests.e2e.test_prometheus_scrape import free_port
 from tests.explore.conftest import run_canned
 from tests.worker.autoscaler import Autoscaler, serve_autoscaler
 from tests.worker.benchmarks import FIXED_THROUGHPUT
@@ -61,6 +62,8 @@ async def worker(
         httpx.AsyncClient(base_url=proxy.url, timeout=10) as client,
     ):
         assert proxy.worker is not None
+        # The autoscaler signs each request for the worker it routes it to: this one.
+        scaler.worker_url = proxy.url
         yield proxy, proxy.worker, client
 
 
@@ -129,14 +132,17 @@ async def test_a_request_replayed_after_a_restart_is_refused(
 ) -> None:
     # The numbers already served lived in memory only: after a restart a replayed request was
     # served, and billed, again. Now they are read back from the audit db (worker_seen).
+    # The worker comes back at its address, the one the requests were signed for.
+    port = free_port()
+    scaler.worker_url = f"http://127.0.0.1:{port}"
     signed = scaler.wrap(CHAT, cost=5)
     other = scaler.wrap(CHAT, cost=5)
-    async with worker(tmp_path, sim.url, scaler) as (_proxy, state, client):
+    async with worker(tmp_path, sim.url, scaler, port=port) as (_proxy, state, client):
         await until_ready(state)
         for body in (signed, other):
             ok = await client.post("/v1/chat/completions", json=body, headers=FIVE)
             assert ok.status_code == 200, ok.text
-    async with worker(tmp_path, sim.url, scaler) as (_proxy, state, client):  # same db
+    async with worker(tmp_path, sim.url, scaler, port=port) as (_proxy, state, client):
         await until_ready(state)
         for body in (signed, other):
             replayed = await client.post("/v1/chat/completions", json=body, headers=FIVE)
@@ -162,9 +168,15 @@ async def test_a_signature_opens_its_own_route_only_and_deep_bodies_are_400s(
         refused = await client.post("/council/api/conversations", json=elsewhere)
         assert refused.status_code == 401, refused.text
         assert "names the route /v1/embeddings" in refused.json()["error"]["message"]
-        own = scaler.wrap({}, url="http://worker.test/council/api/conversations")
+        own = scaler.wrap({}, url="/council/api/conversations")
         opened = await client.post("/council/api/conversations", json=own)
         assert opened.status_code == 200, opened.text
+        # Signed for another worker (the next port on this host): before, it was served here.
+        host, port = scaler.worker_url.rsplit(":", 1)
+        theirs = scaler.wrap({}, url=f"{host}:{int(port) + 1}/council/api/conversations")
+        refused = await client.post("/council/api/conversations", json=theirs)
+        assert refused.status_code == 401, refused.text
+        assert "names another worker" in refused.json()["error"]["message"]
 
         deep = b"[" * 200_000 + b"]" * 200_000
         answer = await client.post(
@@ -174,6 +186,7 @@ async def test_a_signature_opens_its_own_route_only_and_deep_bodies_are_400s(
         assert "levels deep" in answer.json()["error"]["message"]
     kinds = [e["event"] for e in events(tmp_path / "audit.db")]
     assert kinds.count("wrong_route") == 1
+    assert kinds.count("wrong_worker") == 1
     seen = query(tmp_path / "audit.db", "select path from worker_seen")
     assert seen == [{"path": "/council/api/conversations"}]
 

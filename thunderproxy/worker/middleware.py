@@ -19,7 +19,15 @@ from hypercorn.typing import ASGIFramework
 
 from ..http.errors import error_body
 from ..http.validate import MAX_JSON_DEPTH, deeper_than
-from .auth import QUERY_PREFIX, AuthData, AuthDataError, route_mismatch, signature_valid
+from .auth import (
+    QUERY_PREFIX,
+    AuthData,
+    AuthDataError,
+    binding_mismatch,
+    own_origins,
+    payload_bytes,
+    signature_valid,
+)
 from .ledger import Outcome
 from .state import Phase, WorkerState
 
@@ -158,17 +166,21 @@ class WorkerMiddleware:
         state = self.state
         auth: AuthData | None = None
         method = scope["method"]
+        #: What a signed body digest binds: the body the app gets, or the query it gets.
+        signed = b""
         try:
             if method in BODY_METHODS:
                 body, gone = await _read_body(receive, state.config.max_body_bytes)
                 auth, body = self._unwrap(body)
                 scope = _with_body(scope, body)
                 receive = _replay_body(body, gone, receive)
+                signed = body
             else:
                 params, query = _strip_auth_params(scope.get("query_string", b""))
                 if params:
                     auth = AuthData.from_query(params)
                     scope = {**scope, "query_string": query}
+                    signed = query
         except AuthDataError as exc:
             # 401 in --unsecured mode too: a signature was offered, and it is not readable.
             raise Refusal(
@@ -190,7 +202,7 @@ class WorkerMiddleware:
                 )
             return scope, receive, None
         if state.secured:
-            self._verify(auth, scope["path"])
+            self._verify(auth, scope, signed)
         return scope, receive, auth
 
     def _unwrap(self, body: bytes) -> tuple[AuthData | None, bytes]:
@@ -209,10 +221,11 @@ class WorkerMiddleware:
         if "payload" not in data:
             raise AuthDataError("the body has auth_data but no payload")
         auth = AuthData.from_json(data["auth_data"])
-        return auth, json.dumps(data["payload"]).encode()
+        return auth, payload_bytes(data["payload"])
 
-    def _verify(self, auth: AuthData, path: str) -> None:
+    def _verify(self, auth: AuthData, scope: Scope, body: bytes) -> None:
         state = self.state
+        path = scope["path"]
         key = state.public_key
         workload = auth.workload
         if key is None:
@@ -245,16 +258,20 @@ class WorkerMiddleware:
                 workload=workload,
                 reqnum=auth.reqnum,
             )
-        mismatch = route_mismatch(auth, path)
+        origins = own_origins(
+            state.config.public_url, scope.get("scheme", "http"), scope.get("server")
+        )
+        mismatch = binding_mismatch(auth, origins=origins, path=path, body=body)
         if mismatch is not None:
-            # Not remembered as seen: it was not served, and the route it was signed for may
-            # still come.
+            event, why = mismatch
+            # Not remembered as seen: it was not served, and the worker, route and body it was
+            # signed for may still come.
             raise Refusal(
                 401,
                 "authentication_error",
-                f"Refused reqnum {auth.reqnum}: {mismatch}. A signature is good only for the "
-                "route it was signed for.",
-                event="wrong_route",
+                f"Refused reqnum {auth.reqnum}: {why}. A signature is good only for the "
+                "worker, route and body it was signed for.",
+                event=event,
                 workload=workload,
                 reqnum=auth.reqnum,
             )
