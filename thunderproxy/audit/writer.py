@@ -21,6 +21,13 @@ error, counted (``db_recreated``), shown as ``degraded`` in ``/health`` for
 already has a run with that id). Rows the writer wrote between the loss and its check went to
 the lost file.
 
+A db that cannot take writes (a full disk, a read-only file system, an I/O error) loses every
+row that reaches it: from the first batch it refuses for such a cause until it takes writes
+again, ``/health`` says ``degraded`` with the cause and the rows lost (``AuditLog.storage``).
+It takes writes again when a batch is written, or, with no rows coming, when a probe write
+succeeds and (for a full disk) its file system has ``FREE_MARGIN_BYTES`` free: a one-row probe
+alone fits into the space a refused transaction left in the WAL file.
+
 The write loop is a supervised component (``audit_writer``, ``supervision.py``): an unexpected
 failure restarts it with the same channel, so no producer ever sees it.
 """
@@ -72,6 +79,9 @@ BUSY_AT_STOP = "database is locked (held past the stop's flush grace)"
 DB_CHECK_INTERVAL_S = 1.0
 #: How long /health says ``degraded`` after a deleted or replaced db was noticed.
 DB_LOST_DEGRADED_S = 300.0
+#: Free bytes a full file system must have again before an idle writer counts the db as
+#: taking writes (a batch of 500 steps rows takes about 300 KB).
+FREE_MARGIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -93,7 +103,7 @@ class AuditStatistics:
     #: Times the db file was found deleted or replaced and opened again at its path.
     db_recreated: int = 0
     #: What happened to the db file last (None: nothing), while it still makes the proxy
-    #: ``degraded`` (``DB_LOST_DEGRADED_S``).
+    #: ``degraded`` (``DB_LOST_DEGRADED_S``), or why rows are being lost now (a full disk).
     degraded: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -112,12 +122,30 @@ class AuditStatistics:
         }
 
 
+@dataclass
+class StorageTrouble:
+    """A spell of the db refusing writes for a cause of its storage, not of a row."""
+
+    #: SQLite's message (``database or disk is full``) and result code name.
+    cause: str
+    code: str
+    #: Trio time of the first refusal of the spell, and of the last.
+    since: float
+    last_at: float
+    #: Rows lost in the spell.
+    lost: int = 0
+
+
 class AuditLog:
     """The producer side, handed out by :func:`serve_audit_writer` through ``task_status``."""
 
-    def __init__(self, send: trio.MemorySendChannel[AuditRecord], run_id: int) -> None:
+    def __init__(
+        self, send: trio.MemorySendChannel[AuditRecord], run_id: int, *, path: str = ""
+    ) -> None:
         self._send = send
         self.run_id = run_id
+        #: The db's path, for the messages.
+        self.path = path
         self.accepted = 0
         self.dropped = 0
         self.written = 0
@@ -129,6 +157,9 @@ class AuditLog:
         #: What happened to the db file last, and when (trio time).
         self.db_problem: str | None = None
         self.db_problem_at: float | None = None
+        #: While the db refuses writes for its storage (full, read-only, I/O): since when,
+        #: why, and the rows lost so far; None while it takes them.
+        self.storage: StorageTrouble | None = None
         #: Bumped each time the db file is opened again: other connections to the same file
         #: (the council's store) reconnect when it changes.
         self.generation = 0
@@ -169,11 +200,46 @@ class AuditLog:
         self.dropped_by_cause[cause] += 1
 
     def degraded(self, now: float) -> str | None:
-        """What makes the audit log degraded at ``now``, or None."""
+        """What makes the audit log degraded at ``now``, or None: rows being lost now first,
+        then a db file lost under it in the last ``DB_LOST_DEGRADED_S``."""
+        trouble = self.storage
+        if trouble is not None:
+            return (
+                f"audit rows are being dropped: the audit db {self.path!r} refuses writes "
+                f"({trouble.cause}) for {now - trouble.since:.0f} s, {trouble.lost} rows lost "
+                f"so far. {storage_remedy(trouble.code)}; rows are written again as soon as it "
+                "takes them"
+            )
         at = self.db_problem_at
         if at is None or now - at >= DB_LOST_DEGRADED_S:
             return None
         return self.db_problem
+
+    def storage_refused(self, cause: str, code: str, lost: int, now: float) -> None:
+        """A batch lost ``lost`` rows because the db refused writes for its storage."""
+        if self.storage is None:
+            self.storage = StorageTrouble(cause, code, now, now)
+            log.error(
+                "audit: the db %r refuses writes (%s): every row is dropped until it takes "
+                "them again; /health says degraded meanwhile. %s.",
+                self.path,
+                cause,
+                storage_remedy(code),
+            )
+        self.storage.lost += lost
+        self.storage.last_at = now
+
+    def storage_recovered(self, now: float) -> None:
+        """The db took a write again: the spell of refusals is over."""
+        trouble, self.storage = self.storage, None
+        if trouble is not None:
+            log.warning(
+                "audit: the db %r takes writes again after %.0f s; %d rows were lost "
+                "meanwhile (counted under audit.dropped_by_cause)",
+                self.path,
+                now - trouble.since,
+                trouble.lost,
+            )
 
     def statistics(self) -> AuditStatistics:
         queued = self._send.statistics().current_buffer_used
@@ -268,11 +334,52 @@ class BatchOutcome:
     refused: list[str] = field(default_factory=list)
     #: Nothing written: another connection held the write lock past the busy timeout.
     busy: bool = False
+    #: The db refused rows for its storage (message, code name): ``storage_refusal``.
+    storage: tuple[str, str] | None = None
+    #: Rows lost for that cause.
+    storage_lost: int = 0
 
 
 #: SQLite's primary result codes for a lock held by another connection.
 _SQLITE_BUSY = 5
 _SQLITE_LOCKED = 6
+#: SQLite's primary result codes that say the db's storage refuses writes, whatever the row:
+#: PERM, READONLY, IOERR, CORRUPT, FULL, CANTOPEN, NOTADB.
+_STORAGE_CODES = frozenset({3, 8, 10, 11, 13, 14, 26})
+_SQLITE_FULL = "SQLITE_FULL"
+
+
+def storage_refusal(exc: BaseException) -> tuple[str, str] | None:
+    """(message, primary code name) when SQLite refused for the db's storage, not for a row
+    (a full disk, a read-only file system, an I/O error); else None."""
+    if not isinstance(exc, sqlite3.Error):
+        return None
+    code = getattr(exc, "sqlite_errorcode", None)
+    if not isinstance(code, int) or code & 0xFF not in _STORAGE_CODES:
+        return None
+    name = str(getattr(exc, "sqlite_errorname", "")).split("_")
+    primary = "_".join(name[:2]) if len(name) >= 2 else f"SQLITE {code & 0xFF}"
+    return str(exc).splitlines()[0][:120], primary
+
+
+def storage_remedy(code: str) -> str:
+    """What the operator does about a db refusing writes for ``code``."""
+    if code == _SQLITE_FULL:
+        return "Free space on its file system (or move --db to a larger one)"
+    if code in ("SQLITE_READONLY", "SQLITE_PERM", "SQLITE_CANTOPEN"):
+        return "Make the db, its folder and file system writable by the proxy"
+    return "Check the disk and the file system under the db (dmesg), then restart the proxy"
+
+
+def takes_writes_again(code: str, probe_written: bool, free_bytes: int | None) -> bool:
+    """Whether an idle writer counts a db that refused writes for ``code`` as taking them
+    again: its probe write went through and, for a full disk, its file system has
+    ``FREE_MARGIN_BYTES`` free (a one-row probe fits where a batch did not)."""
+    if not probe_written:
+        return False
+    if code != _SQLITE_FULL:
+        return True
+    return free_bytes is None or free_bytes >= FREE_MARGIN_BYTES
 
 
 def is_busy(exc: BaseException) -> bool:
@@ -340,19 +447,48 @@ class _BatchWriter:
         except Exception as exc:
             if is_busy(exc):
                 return BatchOutcome(busy=True)
-            # Rolled back: find the rows SQLite refuses by writing each on its own.
+            # Rolled back: find the rows SQLite refuses by writing each on its own. Once one is
+            # refused for the db's storage (full, read-only), the rest are too: they are
+            # dropped under that cause without a failing transaction each.
             for key, values in grouped.items():
                 for value in values:
+                    if outcome.storage is not None:
+                        outcome.refused.append(f"{key[0]}: {outcome.storage[0]}")
+                        outcome.storage_lost += 1
+                        continue
                     try:
                         with self.conn:
                             self.conn.execute(self._statement(key), value)
                     except Exception as exc:
                         outcome.refused.append(refusal_cause(key[0], exc))
+                        outcome.storage = storage_refusal(exc)
+                        outcome.storage_lost += outcome.storage is not None
                     else:
                         outcome.written += 1
         else:
             outcome.written = sum(len(values) for values in grouped.values())
         return outcome
+
+    def probe(self, path: str) -> tuple[bool, int | None]:
+        """Whether a write commits now (this run's row rewritten as it is), and the bytes
+        free to the proxy on the file system of the db at ``path`` (None where it cannot
+        tell)."""
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            with self.conn:
+                self.conn.execute(
+                    "UPDATE runs SET stopped_at = stopped_at WHERE id = ?", (self.run_id,)
+                )
+            written = True
+        except sqlite3.Error:
+            written = False
+        try:
+            found = os.statvfs(folder)
+        except OSError:
+            return written, None
+        if found.f_flag & os.ST_RDONLY:
+            return False, 0
+        return written, found.f_bavail * found.f_frsize
 
 
 def _sidecar_identities(path: str) -> dict[str, tuple[int, int] | None]:
@@ -423,7 +559,7 @@ async def serve_audit_writer(
     run_row = _RunRow(run_info, clock.unix(trio.current_time()))
     run_id = await trio.to_thread.run_sync(run_row.insert, conn)
     send, receive = trio.open_memory_channel[AuditRecord](queue_size)
-    audit = AuditLog(send, run_id)
+    audit = AuditLog(send, run_id, path=path)
     writer = _BatchWriter(conn, run_id, clock.unix)
     pending: list[AuditRecord] = []
     busy_pause = BUSY_PAUSE_S
@@ -459,6 +595,23 @@ async def serve_audit_writer(
             audit.batches += 1
             for cause in outcome.refused:
                 audit.count_dropped(cause)
+            now = trio.current_time()
+            if outcome.storage is not None:
+                audit.storage_refused(*outcome.storage, outcome.storage_lost, now)
+            elif outcome.written:
+                audit.storage_recovered(now)
+
+    async def probe_storage() -> None:
+        """With no rows coming, ask the db whether it takes writes again."""
+        trouble = audit.storage
+        if trouble is None or path == ":memory:":
+            return
+        if trio.current_time() - trouble.last_at < check_interval:
+            return  # batches are still being refused: they say more than a probe
+        with trio.CancelScope(shield=True):
+            written, free = await trio.to_thread.run_sync(writer.probe, path)
+        if takes_writes_again(trouble.code, written, free):
+            audit.storage_recovered(trio.current_time())
 
     def reopen() -> tuple[sqlite3.Connection, int]:
         """In a worker thread: open the db again at its path, with this run's row."""
@@ -542,8 +695,10 @@ async def serve_audit_writer(
             await flush()
             if pending:
                 return  # closing while the lock is held: the stop's flush takes over
-            if identity is not None and trio.current_time() >= next_check:
-                await check_file()
+            if trio.current_time() >= next_check:
+                if identity is not None:
+                    await check_file()
+                await probe_storage()
                 next_check = trio.current_time() + check_interval
 
     try:
