@@ -37,6 +37,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "audit",
         "sim",
         "traces",
+        "descriptors",
         "steps supervision where urls causes",
         "errors clock __init__",
     )

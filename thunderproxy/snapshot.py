@@ -10,6 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import trio
+
+from . import descriptors
 from .audit.writer import AuditStatistics
 from .backends import BackendPool
 from .backends.metrics import EngineSnapshot
@@ -47,6 +50,8 @@ class Statistics:
     shared_kv: Mapping[str, Any] | None = None
     #: The supervised long-lived components (supervision.py).
     components: tuple[ComponentStatistics, ...] = ()
+    #: The proxy's own file descriptors (descriptors.py): open, limit, refusals, problem.
+    descriptors: Mapping[str, Any] | None = None
 
     @property
     def healthy_backends(self) -> list[str]:
@@ -55,10 +60,16 @@ class Statistics:
     @property
     def degraded(self) -> list[str]:
         """What keeps the proxy from being fully well, besides its backends: a component
-        failed or waiting to restart, an audit db lost under it (``/health``'s ``degraded``)."""
+        failed or waiting to restart, or running but not answering (the explorer), audit rows
+        being lost (a db deleted, full or read-only), the proxy out of file descriptors
+        (``/health``'s ``degraded``)."""
         reasons = [f"{c.name} {c.state.value}: {c.last_error}" for c in self.components if not c.up]
+        reasons += [f"{c.name}: {c.problem}" for c in self.components if c.up and c.problem]
         if self.audit.degraded is not None:
             reasons.append(self.audit.degraded)
+        problem = None if self.descriptors is None else self.descriptors.get("problem")
+        if problem:
+            reasons.append(str(problem))
         return reasons
 
 
@@ -73,6 +84,10 @@ def take(
     components: tuple[ComponentStatistics, ...] = (),
 ) -> Statistics:
     loads = registry.load_by_backend()
+    try:
+        now: float | None = trio.current_time()
+    except RuntimeError:  # taken outside a trio run (a report after it ended)
+        now = None
     return Statistics(
         router=router,
         programs=len(registry),
@@ -94,4 +109,7 @@ def take(
         admission=admission,
         shared_kv=shared_kv,
         components=components,
+        descriptors=None
+        if now is None
+        else descriptors.current().as_dict(now, descriptors.usage()),
     )
