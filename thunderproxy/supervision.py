@@ -69,6 +69,9 @@ class ComponentStatistics:
     last_error: str | None
     #: Trio time of the last failure; None if it never failed.
     last_error_at: float | None
+    #: What its own check finds wrong while it runs (``Component.check``), e.g. a child
+    #: process that stopped answering; None when well.
+    problem: str | None = None
 
     @property
     def up(self) -> bool:
@@ -80,6 +83,7 @@ class ComponentStatistics:
             "restarts": self.restarts,
             "failures": self.failures,
             "last_error": self.last_error,
+            "problem": self.problem,
         }
 
 
@@ -93,8 +97,14 @@ class Component:
     failures: int = 0
     last_error: str | None = None
     last_error_at: float | None = None
+    #: What is wrong with it at trio time ``now`` though it has not failed (None: nothing), set
+    #: by a component that can tell: a process alive but not answering is no exception.
+    check: Callable[[float], str | None] | None = None
 
-    def snapshot(self) -> ComponentStatistics:
+    def snapshot(self, now: float | None = None) -> ComponentStatistics:
+        problem = None
+        if self.check is not None and now is not None and self.up:
+            problem = self.check(now)
         return ComponentStatistics(
             self.name,
             self.state,
@@ -102,7 +112,12 @@ class Component:
             self.failures,
             self.last_error,
             self.last_error_at,
+            problem,
         )
+
+    @property
+    def up(self) -> bool:
+        return self.state in (State.STARTING, State.RUNNING)
 
 
 @dataclass
@@ -119,7 +134,11 @@ class Components:
         return component
 
     def snapshot(self) -> tuple[ComponentStatistics, ...]:
-        return tuple(c.snapshot() for c in self._by_name.values())
+        try:
+            now: float | None = trio.current_time()
+        except RuntimeError:  # read outside a trio run (a report after it ended)
+            now = None
+        return tuple(c.snapshot(now) for c in self._by_name.values())
 
 
 def describe_failure(exc: BaseException) -> str:

@@ -9,6 +9,13 @@ runs in a child process (``child.py``) on a Unix socket in a private folder, and
 :class:`ExplorerProcess` supervises the child: started on the first ``/datasette/`` request (a
 proxy nobody explores pays nothing), restarted with a growing pause if it dies, stopped with the
 proxy, and never outliving it (``child.die_with_parent``). Its state is in ``/health``.
+
+A process can be alive and still answer nothing (stopped by a signal, deadlocked): it is asked
+every ``PROBE_INTERVAL_S`` on its own socket (``PROBE_PATH``, answered by its server's event
+loop). Silent for ``SILENT_S``, ``/health`` says ``degraded`` and new requests wait for it; silent
+for ``HUNG_S`` while using (almost) no CPU, or for ``STUCK_S`` however busy, it is killed and
+restarted (:class:`Liveness` decides, pure). A probe the proxy cannot send for want of a file
+descriptor says nothing about the explorer.
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ from typing import Any
 import httpx
 import trio
 
+from .. import descriptors
 from ..http.auth import admin_allowed
 from ..supervision import Components, supervised
 from .child import EXIT_ORPHANED, EXIT_OVERRUN
-from .names import MOUNT_PATH, READ_METHODS
+from .names import MOUNT_PATH, PROBE_PATH, READ_METHODS
 
 log = logging.getLogger("thunderproxy.explore")
 
@@ -46,8 +54,24 @@ REQUEST_WAIT_S = 20.0
 #: The name of the explorer's process among the supervised components (``/health``'s
 #: ``components``, ``thunderproxy_component_up``).
 COMPONENT = "explorer"
-#: How long the relay waits for the explorer's next bytes.
-RELAY_READ_TIMEOUT_S = 600.0
+#: How long the relay waits for the explorer's next bytes. A hung process is found by its
+#: probes and restarted sooner; this bounds a request the process takes and never answers.
+RELAY_READ_TIMEOUT_S = 30.0
+#: How long the relay waits to connect, to send, and for a free connection of its pool.
+RELAY_CONNECT_TIMEOUT_S = 5.0
+RELAY_WRITE_TIMEOUT_S = 10.0
+RELAY_POOL_TIMEOUT_S = 30.0
+#: How often the process is probed, and how long one probe waits for its answer.
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 2.0
+#: No answer for this long: ``/health`` says degraded and new requests wait for an answer.
+SILENT_S = 3.0
+#: No answer for this long with less CPU than ``HUNG_CPU_S`` used meanwhile: the process is
+#: hung (stopped, deadlocked), so it is killed and restarted. One busy rendering a heavy page
+#: uses the CPU and is left alone until ``STUCK_S``.
+HUNG_S = 6.0
+HUNG_CPU_S = 0.1
+STUCK_S = 60.0
 #: Longest request target (path and query) relayed to the explorer: past httpx's own bound
 #: (64 KiB) the relay failed with a bare 500; a SQL query in a URL is a few KB.
 MAX_TARGET_BYTES = 32 * 1024
@@ -92,6 +116,55 @@ class ExplorerEnded(Exception):
     """The explorer's process ended: the supervisor restarts it."""
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user and system) the process ``pid`` has used; None where ``/proc`` cannot
+    tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # Fields 14 and 15 of proc(5), counted from 1 with the pid and the name before ")".
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Liveness:
+    """Whether the explorer's process answers its probes: pure, the time and the CPU it has
+    used passed in."""
+
+    def __init__(self, now: float, cpu: float | None) -> None:
+        #: When it last answered (or was started), and its CPU time then.
+        self.answered_at = now
+        self.cpu_at = cpu
+
+    def answered(self, now: float, cpu: float | None) -> bool:
+        """It answered at ``now``; True if it had been silent (``SILENT_S``) until then."""
+        was_silent = self.silent_s(now) >= SILENT_S
+        self.answered_at, self.cpu_at = now, cpu
+        return was_silent
+
+    def silent_s(self, now: float) -> float:
+        return now - self.answered_at
+
+    def problem(self, now: float) -> str | None:
+        silent = self.silent_s(now)
+        if silent < SILENT_S:
+            return None
+        return f"has not answered a probe for {silent:.0f} s"
+
+    def hung(self, now: float, cpu: float | None) -> str | None:
+        """Why the process is to be killed and restarted at ``now``, or None."""
+        silent = self.silent_s(now)
+        if silent >= STUCK_S:
+            return f"it answered no probe for {silent:.0f} s"
+        if silent < HUNG_S or cpu is None or self.cpu_at is None:
+            return None
+        used = cpu - self.cpu_at
+        if used >= HUNG_CPU_S:
+            return None  # busy (a heavy page), not hung
+        return f"it answered no probe for {silent:.0f} s and used {used:.2f} s of CPU: hung"
+
+
 class ExplorerProcess:
     """Runs and watches the explorer's process for one proxy run (restarted as a supervised
     component: :meth:`serve`)."""
@@ -109,17 +182,43 @@ class ExplorerProcess:
         self._wanted = trio.Event()
         self._changed = trio.Event()
         self._popen: subprocess.Popen[bytes] | None = None
+        #: The probes' findings while a process is up.
+        self.liveness: Liveness | None = None
+        #: Why the last process was killed for not answering, until the next one is up.
+        self.hung: str | None = None
 
     def status(self) -> dict[str, Any]:
         """What ``/health`` shows as ``explorer``."""
         up = self._up_since
+        now = trio.current_time()
         return {
             "state": self.state,
             "pid": self.pid,
             "restarts": max(0, self.starts - 1),
-            "up_s": None if up is None else round(trio.current_time() - up, 1),
+            "up_s": None if up is None else round(now - up, 1),
             "last_exit": self.last_exit,
+            "problem": self.problem(now),
         }
+
+    def problem(self, now: float) -> str | None:
+        """What is wrong with the explorer at ``now`` though its process runs (the component
+        check ``/health``'s ``degraded`` shows), or None."""
+        liveness = self.liveness
+        if self.state == "up" and liveness is not None:
+            silent = liveness.problem(now)
+            if silent is not None:
+                return (
+                    f"Datasette's process (pid {self.pid}) {silent}; requests to "
+                    f"{MOUNT_PATH} wait for it, and it is restarted if it stays silent"
+                )
+        if self.state in ("starting", "restarting") and self.hung is not None:
+            return f"restarting: the last process was killed because {self.hung}"
+        return None
+
+    @property
+    def serving(self) -> bool:
+        """Up and answering its probes: a request relayed now is answered."""
+        return self.state == "up" and self.problem(trio.current_time()) is None
 
     def _set(self, state: str) -> None:
         self.state = state
@@ -127,9 +226,9 @@ class ExplorerProcess:
         self._changed = trio.Event()
 
     async def wait_up(self) -> None:
-        """Ask for the explorer and wait until it serves."""
+        """Ask for the explorer and wait until it serves (up, and answering its probes)."""
         self._wanted.set()
-        while self.state != "up":
+        while not self.serving:
             await self._changed.wait()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -237,7 +336,21 @@ class ExplorerProcess:
                 elif ready.is_set():
                     self.pid = popen.pid
                     self._up_since = trio.current_time()
+                    self.liveness = Liveness(self._up_since, cpu_seconds(popen.pid))
+                    self.hung = None
                     self._set("up")
+                    async with trio.open_nursery() as nursery:
+
+                        async def watch(child: subprocess.Popen[bytes]) -> None:
+                            await self._watch(child)
+                            await exited.wait()
+
+                        async def until_exit() -> None:
+                            await exited.wait()
+                            nursery.cancel_scope.cancel()
+
+                        nursery.start_soon(until_exit)
+                        nursery.start_soon(watch, popen)
             await exited.wait()
         finally:
             popen = self._popen
@@ -252,10 +365,62 @@ class ExplorerProcess:
             self._popen = None
             self.pid = None
             self._up_since = None
+            self.liveness = None
             if "error" in outcome:
                 self.last_exit = outcome["error"]
+            elif self.hung is not None:
+                self.last_exit = f"killed because {self.hung}"
             elif "code" in outcome:
                 self.last_exit = describe_exit(outcome["code"])
+
+    async def _watch(self, popen: subprocess.Popen[bytes]) -> None:
+        """Probe the process until it is found hung, then kill it (the supervisor starts the
+        next); returns at once if it has no liveness to watch."""
+        liveness = self.liveness
+        while liveness is not None:
+            await trio.sleep(PROBE_INTERVAL_S)
+            answered = await self._probe()
+            now = trio.current_time()
+            cpu = cpu_seconds(popen.pid)
+            if answered is None or answered:
+                # None: the proxy could not ask (no descriptor), which says nothing of it.
+                if liveness.answered(now, cpu) and answered:
+                    log.warning("explorer process (pid %d) answers again", popen.pid)
+                    self._set("up")  # wakes requests waiting for it
+                continue
+            reason = liveness.hung(now, cpu)
+            if reason is not None:
+                self.hung = reason
+                log.error(
+                    "explorer process (pid %d): %s; killing it, the next one starts at once",
+                    popen.pid,
+                    reason,
+                )
+                popen.kill()
+                return
+
+    async def _probe(self) -> bool | None:
+        """Whether the process answers ``PROBE_PATH`` within ``PROBE_TIMEOUT_S``; None if
+        the proxy could not open a socket for want of a descriptor."""
+        with trio.move_on_after(PROBE_TIMEOUT_S):
+            try:
+                stream = await trio.open_unix_socket(self.socket_path)
+            except OSError as exc:
+                if exc.errno in descriptors.OUT_ERRNOS:
+                    descriptors.note_out("probing the explorer", exc)
+                    return None
+                return False
+            async with stream:
+                try:
+                    await stream.send_all(
+                        f"GET {PROBE_PATH} HTTP/1.1\r\nhost: explorer\r\n"
+                        "connection: close\r\n\r\n".encode()
+                    )
+                    head = await stream.receive_some(64)
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    return False
+                return head.startswith(b"HTTP/1.1 200")
+        return False
 
 
 def request_allowed(scope: Scope, admin_token: str) -> bool:
@@ -343,8 +508,10 @@ class DatasetteMount:
             return
         with trio.move_on_after(REQUEST_WAIT_S):
             await explorer.wait_up()
-        if explorer.state != "up":
-            await self._unavailable(send, 503, f"is {explorer.state}")
+        if not explorer.serving:
+            problem = explorer.problem(trio.current_time())
+            what = f"is {explorer.state}" if problem is None else problem
+            await self._unavailable(send, 503, what)
             return
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() not in HOP_HEADERS]
         try:
@@ -357,6 +524,12 @@ class DatasetteMount:
         try:
             response = await self.client.send(request, stream=True)
         except httpx.TransportError as exc:
+            out = descriptors.out_error(exc)
+            if out is not None:
+                descriptors.note_out("connecting to the explorer", out)
+                await self._unavailable(send, 503, "could not be reached: the proxy is out of "
+                                        "file descriptors (raise `ulimit -n`)")  # fmt: skip
+                return
             await self._unavailable(send, 502, f"did not answer ({type(exc).__name__})")
             return
         try:
@@ -411,21 +584,32 @@ async def open_datasette_mount(
     from .instance import SETTINGS
 
     limit_ms = time_limit_ms or int(SETTINGS["sql_time_limit_ms"])
+    components = components or Components()
     with tempfile.TemporaryDirectory(prefix="thunderproxy-explore-") as folder:
         # A private folder (mode 0700): only this user can reach the socket.
         socket_path = os.path.join(folder, "datasette.sock")
         explorer = ExplorerProcess(db_path, socket_path, time_limit_ms=limit_ms)
+        # A process that runs but does not answer is no failure of the component; /health
+        # shows it as the component's problem.
+        components.register(COMPONENT).check = explorer.problem
         transport = httpx.AsyncHTTPTransport(uds=socket_path)
-        # The explorer renders one page at a time: under a burst of heavy pages the last one
-        # waits for all the others (16 pages of 1,000 rows of 100 links took 112 s on a busy
+        # Seconds, not minutes: a hung process is found by its probes and restarted, so these
+        # bound only a request a live process takes and never answers. The explorer renders
+        # one page at a time: a page queued behind heavy ones for longer than the read
+        # timeout gets a 502 (16 pages of 1,000 rows of 100 links took 112 s on a busy
         # machine). A client that gives up earlier cancels its relay.
-        timeout = httpx.Timeout(connect=5.0, read=RELAY_READ_TIMEOUT_S, write=10.0, pool=60.0)
+        timeout = httpx.Timeout(
+            connect=RELAY_CONNECT_TIMEOUT_S,
+            read=RELAY_READ_TIMEOUT_S,
+            write=RELAY_WRITE_TIMEOUT_S,
+            pool=RELAY_POOL_TIMEOUT_S,
+        )
         limits = httpx.Limits(max_connections=32, max_keepalive_connections=8)
         async with (
             httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits) as client,
             trio.open_nursery() as nursery,
         ):
-            await nursery.start(supervised(components or Components(), COMPONENT, explorer.serve))
+            await nursery.start(supervised(components, COMPONENT, explorer.serve))
             try:
                 yield DatasetteMount(app, explorer, client, admin_token=admin_token)
             finally:

@@ -15,3 +15,6 @@ MOUNT_PATH = "/datasette/"
 DATABASE_NAME = "audit"
 #: The only HTTP methods the explorer answers: it never takes a write.
 READ_METHODS = frozenset({"GET", "HEAD"})
+#: The explorer process's liveness probe, answered by its server before Datasette (outside
+#: ``MOUNT_PATH``, so the relay never forwards a client to it).
+PROBE_PATH = "/-/alive"

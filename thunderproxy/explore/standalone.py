@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from .instance import SETTINGS, build_datasette, check_database
-from .names import MOUNT_PATH, READ_METHODS
+from .names import MOUNT_PATH, PROBE_PATH, READ_METHODS
 from .server import hypercorn_config, serve_datasette
 
 Scope = dict[str, Any]
@@ -23,13 +23,16 @@ Scope = dict[str, Any]
 def with_root_redirect(app: Any) -> Any:
     """``/`` and anything outside ``/datasette/`` redirect to ``/datasette/``, where Datasette
     lives (it keeps the mounted path so links copied from a server's pages still work); any
-    method but GET and HEAD is refused."""
+    method but GET and HEAD is refused. ``PROBE_PATH`` is answered 200 here, on the server's
+    own event loop: the proxy asks it every second whether the process still answers."""
 
     async def redirecting(scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        if scope["method"] not in READ_METHODS:
+        if scope["path"] == PROBE_PATH:
+            status, headers = 200, []
+        elif scope["method"] not in READ_METHODS:
             status, headers = 405, [(b"allow", b"GET, HEAD")]
         elif scope["path"].startswith(MOUNT_PATH):
             await app(scope, receive, send)
