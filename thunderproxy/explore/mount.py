@@ -528,7 +528,7 @@ class DatasetteMount:
             if out is not None:
                 descriptors.note_out("connecting to the explorer", out)
                 await self._unavailable(send, 503, "could not be reached: the proxy is out of "
-                                        "file descriptors (raise `ulimit -n`)")  # fmt: skip
+                                        "file descriptors (raise ulimit -n)")  # fmt: skip
                 return
             await self._unavailable(send, 502, f"did not answer ({type(exc).__name__})")
             return
