@@ -41,9 +41,9 @@ PREFILL_POINTS = ((256, 0), (1024, 0), (4096, 0), (8192, 0), (16384, 0), (1024, 
 DECODE_POINTS = ((1, 256), (4, 256), (16, 256), (1, 8192), (2, 8192), (4, 8192), (8, 8192),
                  (1, 16384), (2, 16384), (3, 16384), (4, 16384), (2, 24576))  # fmt: skip
 DECODE_TOKENS = 64
-#: Each point is measured this often and the median kept: the machine's speed drifts by
-#: tens of percent from minute to minute, and a replay runs at its typical speed, not its
-#: best.
+#: Each point is measured this often (once a round) and the median kept: the machine's
+#: speed drifts by tens of percent from minute to minute, and a replay runs at its typical
+#: speed, not its best.
 REPEATS = 3
 #: The constants fitted, in the order of a measurement's features.
 CONSTANTS = ("t_fixed_ms", "c_tok_us", "c_kv_ns", "c_attn_ns", "c_prep_us")
@@ -161,12 +161,16 @@ class Calibration:
         )  # fmt: skip
 
     async def decode(self, streams: int, context: int) -> Measurement:
-        shared = self.prompts.text(context - self.overhead - 8)
-        await self._stream(shared, 1)  # every stream then hits it: one prefill, not B
+        # Each stream decodes over a context of its own, as programs do. Streams sharing one
+        # context read the same KV blocks, which a CPU's cache then serves: 4 streams over
+        # 16K tokens took 17-18 ms a step over one shared context and 25 ms over four.
+        contexts = [self.prompts.text(context - self.overhead - 8) for _ in range(streams)]
+        for text in contexts:  # prefilled one by one, so that the streams start together
+            await self._stream(text, 1)
         results: list[list[tuple[float, int]]] = []
 
         async def one(i: int) -> None:
-            results.append(await self._stream(shared + self.prompts.text(8), DECODE_TOKENS))
+            results.append(await self._stream(contexts[i] + self.prompts.text(8), DECODE_TOKENS))
 
         async with trio.open_nursery() as nursery:
             for i in range(streams):
@@ -184,21 +188,20 @@ class Calibration:
         )  # fmt: skip
 
     async def measure(self) -> list[Measurement]:
-        out: list[Measurement] = []
+        # Rounds over every point rather than a point's repeats in a row: the machine's speed
+        # drifts over minutes, and a point measured in one slow minute would bend the fit.
+        points: list[tuple[str, int, int]] = [("prefill", *p) for p in PREFILL_POINTS]
+        points += [("decode", *p) for p in DECODE_POINTS]
+        runs: list[list[Measurement]] = [[] for _ in points]
         await self._stream(self.prompts.text(64), 8)  # warm-up: first request costs more
-        for fresh, cached in PREFILL_POINTS:
-            runs = [await self.prefill(fresh, cached) for _ in range(REPEATS)]
-            best = median(runs)
-            self.echo(f"  prefill {best.label:>16}: {best.seconds * 1e3:8.1f} ms")
-            out.append(best)
-            await self.server.reset_prefix_cache(self.client)
-        for streams, context in DECODE_POINTS:
-            runs = [await self.decode(streams, context) for _ in range(REPEATS)]
-            best = median(runs)
-            self.echo(f"  decode  {best.label:>16}: {best.seconds * 1e3:8.2f} ms a step")
-            out.append(best)
-            await self.server.reset_prefix_cache(self.client)
-        return out
+        for round_ in range(REPEATS):
+            self.echo(f"  round {round_ + 1} of {REPEATS}")
+            for n, (kind, a, b) in enumerate(points):
+                m = await (self.prefill(a, b) if kind == "prefill" else self.decode(a, b))
+                runs[n].append(m)
+                self.echo(f"    {kind:7} {m.label:>16}: {m.seconds * 1e3:8.2f} ms")
+                await self.server.reset_prefix_cache(self.client)
+        return [median(r) for r in runs]
 
 
 def median(runs: Sequence[Measurement]) -> Measurement:

@@ -20,8 +20,9 @@ from . import realtime
 
 #: Block size of the CPU engine: its attention kernels want multiples of 32.
 CPU_BLOCK_SIZE = 32
-#: The KV the calibration's engine needs: the longest context it measures, with room.
-CALIBRATION_KV_TOKENS = 65_536
+#: The KV the calibration's engine needs: every decode stream's own context at once (8
+#: streams over 8K, 4 over 16K), with room.
+CALIBRATION_KV_TOKENS = 81_920
 CALIBRATION_MODEL_LEN = 32_768
 
 
