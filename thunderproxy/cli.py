@@ -171,6 +171,38 @@ def explore(db: str, host: str, port: int) -> None:
         raise click.ClickException(f"Cannot listen on {host}:{port}: {exc.strerror}.") from None
 
 
+@cli.command("client-key")
+@click.argument("name")
+@click.option(
+    "--stdin",
+    "from_stdin",
+    is_flag=True,
+    help="Hash the key read from standard input (one line) instead of making a new one.",
+)
+def client_key(name: str, from_stdin: bool) -> None:
+    """Make a key for a client of a shared proxy ([clients], docs/CONFIG.md).
+
+    Prints the key, to give to the client NAME (the proxy never stores it), and the line for
+    the config file's [clients.keys] table, which holds only the key's SHA-256.
+
+    \b
+    Examples:
+      thunderproxy client-key alice
+      printf %s "$KEY" | thunderproxy client-key alice --stdin
+    """
+    from .config.clients import key_digest, name_problem, new_key
+
+    problem = name_problem(name)
+    if problem is not None:
+        raise click.ClickException(problem + ".")
+    key = sys.stdin.readline().rstrip("\r\n") if from_stdin else new_key()
+    if not key:
+        raise click.ClickException("No key on standard input; pipe one line, or leave --stdin out.")
+    if not from_stdin:
+        click.echo(f"key for {name} (give it to them; it is shown only now): {key}")
+    click.echo(f'[clients.keys] line: {name} = "{key_digest(key)}"')
+
+
 def _register_optional_commands() -> None:
     try:
         from .sim.cli import sim_command

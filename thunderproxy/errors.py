@@ -8,6 +8,7 @@ its HTTP status and OpenAI error type; http/errors.py renders them.
       RequestError                  the client's request cannot be served as sent
         InvalidRequest              malformed JSON, wrong types (400)
         Unauthorized                admin token missing or wrong (401)
+          ClientUnauthorized        no client key, or one no [clients] entry holds (401)
         Forbidden                   a path the proxy never relays without the admin token (403)
         NotFound                    no such route (404)
         ModelNotFound               no backend serves the requested model (404, vLLM's shape)
@@ -83,6 +84,11 @@ class InvalidRequest(RequestError):
 
 class Unauthorized(RequestError):
     pass
+
+
+class ClientUnauthorized(Unauthorized):
+    """A call to an LLM, council or passthrough route without a key of a configured client
+    (``[clients]``, docs/CONFIG.md): refused before anything else is read from it."""
 
 
 class Forbidden(RequestError):
@@ -200,6 +206,7 @@ ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
     InvalidRequest: (400, "invalid_request_error"),
     ProfilingDisabled: (400, "invalid_request_error"),
     Unauthorized: (401, "authentication_error"),
+    ClientUnauthorized: (401, "authentication_error"),
     Forbidden: (403, "permission_error"),
     NotFound: (404, "not_found_error"),
     # vLLM's own answer for a model it does not serve.

@@ -193,6 +193,11 @@ class Call:
     #: The body (this one, or it with another model) as the bytes sent; an edge that kept the
     #: client's bytes sends them again for what did not change (http/body.py).
     encode: Callable[[dict[str, Any]], bytes] = field(default=_dumps, repr=False)
+    #: The configured client that sent it (``[clients]``), recorded on its row; None: none.
+    client: str | None = None
+    #: The client's key headers, withheld from ``headers``: sent only to a backend set to
+    #: receive them (``Gateway.key_receivers``).
+    client_key: Sequence[tuple[str, str]] = field(default=(), repr=False)
 
 
 @dataclass
@@ -429,6 +434,7 @@ class Gateway:
         first_byte_timeout: float = 600.0,
         read_timeout: float = 300.0,
         admission: Admission | None = None,
+        key_receivers: frozenset[str] = frozenset(),
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
@@ -437,6 +443,9 @@ class Gateway:
         self.first_byte_timeout = first_byte_timeout
         self.read_timeout = read_timeout
         self.admission: Admission = admission or AdmitAll()
+        #: Shown URLs of the backends that are sent a client's own key (``[clients]``
+        #: ``forward_key_to``); every other backend gets the call without it.
+        self.key_receivers = key_receivers
         #: Set when the proxy begins to shut down: calls cut from then on are not the
         #: client's doing.
         self.stopping = False
@@ -483,7 +492,7 @@ class Gateway:
         served = route.served
         if served is not None and served != call.model:
             body = {**body, "model": served}  # an alias: the backend knows the served name
-        headers = list(call.headers)
+        headers = self.upstream_headers(lease.node, call.headers, call.client_key)
         if not any(name.lower() == "x-request-id" for name, _ in headers):
             # <program>-<step> names the call in vLLM's logs and the simulator's accounting.
             headers.append(("x-request-id", header_safe(lease.request_id)))
@@ -500,6 +509,18 @@ class Gateway:
             self._close(lease, call, status, message, admitted=admitted, served=served)
             raise
         return Exchange(self, call, lease, response, admitted, served)
+
+    def upstream_headers(
+        self,
+        node: BackendNode,
+        headers: Sequence[tuple[str, str]],
+        client_key: Sequence[tuple[str, str]],
+    ) -> list[tuple[str, str]]:
+        """What goes to ``node``: ``headers``, and the client's withheld key headers only if
+        ``node`` is set to receive them."""
+        if client_key and node.url in self.key_receivers:
+            return [*headers, *client_key]
+        return list(headers)
 
     async def send(self, node: BackendNode, request: UpstreamRequest) -> UpstreamResponse:
         """``request`` to ``node`` until its answer starts (within ``first_byte_timeout``),
@@ -590,6 +611,7 @@ class Gateway:
             source=call.source,
             matched_messages=call.matched_messages,
             served_model=served,
+            client=call.client,
         )
         self.audit.record(record)
         first = first_token_at
@@ -643,6 +665,7 @@ class Gateway:
                 message=error.message,
                 program_id=call.program_id,
                 reason=reason(error),
+                client=call.client,
             )
         )
 
@@ -665,6 +688,7 @@ class Gateway:
                 else message,
                 source=call.source,
                 matched_messages=call.matched_messages,
+                client=call.client,
             )
         )
 

@@ -401,6 +401,9 @@ async def run(
                 first_byte_timeout=settings.first_byte_timeout,
                 read_timeout=settings.read_timeout,
                 admission=admission,
+                key_receivers=frozenset()
+                if settings.clients is None
+                else settings.clients.receiving([(b.url, b.name) for b in settings.backend_specs]),
             )
             worker_cfg = worker_config(settings, os.environ)
             worker = None if worker_cfg is None else WorkerState(worker_cfg, audit.record)

@@ -122,6 +122,8 @@ class StepRecord:
     #: The model the call was sent to, where ``model`` (the one asked for) went elsewhere or
     #: not; None for a call that reached no backend.
     served_model: str | None = None
+    #: The configured client that sent the call (``[clients]``); None without client keys.
+    client: str | None = None
 
     @classmethod
     def from_outcome(
@@ -141,6 +143,7 @@ class StepRecord:
         source: str | None = None,
         matched_messages: int | None = None,
         served_model: str | None = None,
+        client: str | None = None,
     ) -> StepRecord:
         """The row of a call that reached a backend (``lease`` is its scheduler lease)."""
         return cls(
@@ -164,6 +167,7 @@ class StepRecord:
             source=source,
             matched_messages=matched_messages,
             served_model=served_model,
+            client=client,
         )
 
     @classmethod
@@ -181,6 +185,7 @@ class StepRecord:
         error: str,
         source: str | None = None,
         matched_messages: int | None = None,
+        client: str | None = None,
     ) -> StepRecord:
         """The row of a call that ended while it waited for its program to be resumed."""
         return cls(
@@ -203,6 +208,7 @@ class StepRecord:
             error=error,
             source=source,
             matched_messages=matched_messages,
+            client=client,
         )
 
     @property
@@ -237,6 +243,7 @@ class StepRecord:
             "source": self.source,
             "matched_messages": self.matched_messages,
             "served_model": self.served_model,
+            "client": self.client,
         }
 
 
@@ -324,6 +331,8 @@ class RejectionRecord:
     program_id: str | None = None
     #: The refusing error's class (``errors.reason``), counted by the metrics, not stored.
     reason: str = "other"
+    #: The configured client that sent it, once its key was checked; None otherwise.
+    client: str | None = None
 
     def row(self, to_unix: ToUnix) -> dict[str, Any]:
         row = _stamped(self, to_unix)

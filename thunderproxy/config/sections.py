@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..where import Where
+from .clients import parse_clients
 from .embedded import sim_overrides
 from .limits import parse_limits
 from .settings import (
@@ -173,6 +174,8 @@ def _aliases_section(value: Any, where: Where) -> Mapping[str, Any]:
 
 # [limits]: the parser sits beside the values it builds (limits.py, docs/LIMITS.md).
 section("limits")(parse_limits)
+# [clients]: the same, beside its values (clients.py).
+section("clients")(parse_clients)
 
 
 def _check_aliases(settings: Settings, where: Where) -> None:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from ..errors import ConfigError
 from ..urls import redact_url, redact_url_secrets
+from .clients import ClientsSpec, check_forwarding
 from .limits import LimitsSpec
 from .passthrough import DEFAULT_PASSTHROUGH, parse_prefixes
 
@@ -561,6 +562,8 @@ class Settings:
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=FrozenMap)
     #: Rate limits per model and program class (``[limits]``, docs/LIMITS.md); None: no limits.
     limits: LimitsSpec | None = None
+    #: Who may call (``[clients]``, docs/CONFIG.md); None: anyone, as before keys existed.
+    clients: ClientsSpec | None = None
 
     def __post_init__(self) -> None:
         # backends (URLs, what existing code reads) and backend_specs always agree.
@@ -583,6 +586,10 @@ class Settings:
                         f"limits.backends.{name}: no configured backend has this URL or name; "
                         "name one of: " + (", ".join(sorted(known)) or "(none: add --backends)")
                     )
+        if self.clients is not None:
+            problem = check_forwarding(self.clients, [(b.url, b.name) for b in self.backend_specs])
+            if problem is not None:
+                raise ConfigError(problem + ".")
         if bool(self.certfile) != bool(self.keyfile):
             raise ConfigError("--certfile and --keyfile go together; pass both or neither.")
 
@@ -606,6 +613,7 @@ class Settings:
         ]
         values["aliases"] = {name: list(targets) for name, targets in self.aliases.items()}
         values["limits"] = None if self.limits is None else self.limits.public()
+        values["clients"] = None if self.clients is None else self.clients.public()
         # The simulator's api_key is a credential like any other.
         values["sim"] = {k: "<redacted>" if k == "api_key" else v for k, v in self.sim.items()}
         return values
@@ -663,7 +671,7 @@ def _table(cls: type[Any], path: tuple[str, ...] = ()) -> Iterator[Setting]:
 SETTINGS: tuple[Setting, ...] = tuple(_table(Settings))
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
 #: Settings fields filled from config-file sections rather than single flags.
-STRUCTURED = ("backend_specs", "aliases", "limits")
+STRUCTURED = ("backend_specs", "aliases", "limits", "clients")
 
 
 def _suggest(key: str, known: Iterable[str]) -> str:

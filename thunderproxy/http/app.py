@@ -40,7 +40,8 @@ from ..scheduling import Scheduler
 from ..snapshot import Statistics
 from ..statistics import Counters
 from ..supervision import Components
-from .auth import require_admin
+from .auth import admin_allowed, require_admin
+from .clients import CLIENT_KEY, Clients, client_of, scoped
 from .drain import Drain
 from .edges import Edges, error_shape
 from .errors import error_response
@@ -177,6 +178,7 @@ class ProxyHTTPConnection(TrioASGIHTTPConnection):
                 request.method,
                 request.path,
                 reason(error),
+                client_of(request.scope),
             )
 
 
@@ -245,12 +247,14 @@ def create_app(services: Services) -> ThunderproxyApp:
     scheduler = services.scheduler
     registry = scheduler.registry
     audit = services.gateway.audit
+    clients = Clients(settings.clients, services.recognizer)
     proxy = Proxy(
         gateway=services.gateway,
         read_timeout=settings.read_timeout,
         guard=PassthroughGuard(parse_prefixes(settings.passthrough), settings.admin_token),
+        clients=clients,
     )
-    edges = Edges(gateway=services.gateway, recognizer=services.recognizer)
+    edges = Edges(gateway=services.gateway, recognizer=services.recognizer, clients=clients)
 
     def record_rejection(
         status: int,
@@ -260,6 +264,7 @@ def create_app(services: Services) -> ThunderproxyApp:
         method: str,
         path: str,
         why: str,
+        client: str | None = None,
     ) -> None:
         audit.record(
             RejectionRecord(
@@ -271,6 +276,7 @@ def create_app(services: Services) -> ThunderproxyApp:
                 message=message,
                 program_id=program_id,
                 reason=why,
+                client=client,
             )
         )
 
@@ -289,6 +295,7 @@ def create_app(services: Services) -> ThunderproxyApp:
             asked().method,
             asked().path,
             reason(error),
+            client_of(asked().scope),
         )
 
     app.record_rejection = record_rejection
@@ -349,6 +356,25 @@ def create_app(services: Services) -> ThunderproxyApp:
             raise headers_too_large(size, settings.max_header_bytes)
 
     @app.before_request
+    async def require_client() -> None:
+        # With [clients], every route that reaches a backend or runs a council job is a
+        # client's: identified here, before the readiness check, so that a caller without a key
+        # learns nothing of the proxy's state.
+        if not clients.enabled:
+            return
+        endpoint = request.endpoint or ""
+        if endpoint not in BACKEND_ENDPOINTS and not endpoint.startswith("council."):
+            return
+        try:
+            scope: dict[str, Any] = request.scope  # type: ignore[assignment]
+            scope[CLIENT_KEY] = clients.identify(request.headers.items())
+        except ThunderproxyError:
+            # Drain the body first: a keep-alive connection left with an unread body stalls
+            # the client's next request on it.
+            await request.get_data(cache=False)
+            raise
+
+    @app.before_request
     async def refuse_until_ready() -> None:
         # Calls that need a backend get 503 while starting; the proxy's own endpoints answer.
         if services.readiness.ready or request.endpoint not in BACKEND_ENDPOINTS:
@@ -407,13 +433,23 @@ def create_app(services: Services) -> ThunderproxyApp:
 
     @app.post("/programs/release")
     async def release_program() -> Response:
-        require_admin(request.headers.get("authorization"), settings.admin_token)
+        authorization = request.headers.get("authorization")
+        # With [clients], a client releases its own programs (the id it sent them with); the
+        # admin token, when one is set, names any program by its full id (``client:id``).
+        client = None
+        if clients.enabled and not (
+            settings.admin_token and admin_allowed(authorization, settings.admin_token)
+        ):
+            client = clients.identify(request.headers.items())
+        else:
+            require_admin(authorization, settings.admin_token)
         body = parse_json_object(await request.get_data(False, False, False))
         program_id = body.get("program_id")
         if not isinstance(program_id, str) or not program_id:
             raise InvalidRequest("program_id must be a non-empty string.", param="program_id")
-        scheduler.release(program_id)
-        services.recognizer.forget(program_id)  # a later call continuing it starts anew
+        tracked = scoped(client, program_id)
+        scheduler.release(tracked)
+        clients.forget(tracked)  # a later call continuing it starts anew
         return jsonify({"program_id": program_id, "released": True})
 
     @app.get("/v1/models")

@@ -39,6 +39,7 @@ from ..protocols.recognition import (
     without_program_id,
 )
 from .body import read_body
+from .clients import Clients, client_of, scoped
 from .proxy import (
     RECORDED_KEY,
     RESPONSE_OWN,
@@ -101,11 +102,15 @@ class Reply:
 
 
 class Edges:
-    """The scheduled routes and ``count_tokens``, over one gateway and one recognizer."""
+    """The scheduled routes and ``count_tokens``, over one gateway and one recognizer (one per
+    client, with client keys: http/clients.py)."""
 
-    def __init__(self, *, gateway: Gateway, recognizer: ProgramRecognizer) -> None:
+    def __init__(
+        self, *, gateway: Gateway, recognizer: ProgramRecognizer, clients: Clients | None = None
+    ) -> None:
         self.gateway = gateway
         self.recognizer = recognizer
+        self.clients = clients or Clients(None, recognizer)
 
     async def call(self, protocol: Protocol, endpoint: str) -> Response:
         """One step of one program, in ``protocol``'s terms (Quart's route; the app serves
@@ -128,52 +133,60 @@ class Edges:
     ) -> Reply:
         """One step of one program from the request's body bytes and header items: checked,
         recognised and handed to the gateway. The exchange's close is added to ``scope``'s
-        cleanups (``proxy.add_cleanup``), run however the HTTP exchange ends."""
+        cleanups (``proxy.add_cleanup``), run however the HTTP exchange ends. The client, when
+        keys are configured, was identified before (``clients.CLIENT_KEY`` in ``scope``)."""
+        client = client_of(scope)
+        recognizer = self.clients.recognizer(client)
         parsed = read_body(raw)
         body = parsed.value
         headers = identified_headers(items)
         check_identifiers(body)
-        if self.recognizer.config.explicit:
+        if recognizer.config.explicit:
             # A malformed program id is named as such, even in a body that has other faults.
             explicit_program_id(body, headers)
         # Then the body, before recognition reads its prompt: a malformed one starts nothing.
         prepared = protocols.prepare(protocol, without_program_id(body))
-        recognised = self.recognizer.recognise(protocol, body, headers, arrived_at)
+        recognised = recognizer.recognise(protocol, body, headers, arrived_at)
         # Whatever named the program (the body, a header, a client's session id), the id is
         # written to the db and sent upstream: it must be text.
         check_identifier(recognised.program_id, "program_id")
         wire = ProtocolWire(protocol, collect_answer=recognised.by_prompt)
+        forwarded, client_key = self.clients.withheld(items)
         call = Call(
-            program_id=recognised.program_id,
+            program_id=scoped(client, recognised.program_id),
             endpoint=endpoint,
             body=prepared.body,
             wire=wire,
             arrived_at=arrived_at,
             model=prepared.model,
             stream=prepared.stream,
-            headers=_upstream_headers(items),
+            headers=_upstream_headers(forwarded),
             context_chars=prepared.prompt_chars,
             hide_usage=prepared.hide_usage,
             source=recognised.source.value,
             matched_messages=recognised.matched,
             encode=parsed.encode,
+            client=client,
+            client_key=client_key,
         )
         scope[RECORDED_KEY] = True
         exchange = await self.gateway.open(call)
         add_cleanup(scope, exchange.aclose)
         answer_headers = forward_headers(exchange.headers, drop=RESPONSE_OWN)
         if exchange.is_event_stream:
-            return Reply(200, answer_headers, self._stream(exchange, wire, recognised, body))
+            stream = self._stream(exchange, wire, recognizer, recognised, body)
+            return Reply(200, answer_headers, stream)
         content = await exchange.read()
         if exchange.status_code == 200:
             with _best_effort("a whole answer"):
-                self._learn_from_body(protocol, recognised, body, content)
+                self._learn_from_body(recognizer, protocol, recognised, body, content)
         return Reply(exchange.status_code, answer_headers, content)
 
     async def _stream(
         self,
         exchange: Exchange,
         wire: ProtocolWire,
+        recognizer: ProgramRecognizer,
         recognised: Recognised,
         body: dict[str, Any],
     ) -> AsyncGenerator[bytes, None]:
@@ -182,12 +195,13 @@ class Edges:
             async for chunk in chunks:
                 yield chunk
         with _best_effort("a streamed answer"):
-            self._learn_from_stream(exchange, wire, recognised, body)
+            self._learn_from_stream(exchange, wire, recognizer, recognised, body)
 
     def _learn_from_stream(
         self,
         exchange: Exchange,
         wire: ProtocolWire,
+        recognizer: ProgramRecognizer,
         recognised: Recognised,
         body: dict[str, Any],
     ) -> None:
@@ -201,13 +215,16 @@ class Edges:
             # An answer nested past what the request side accepts is not learnt from: hashing
             # it would recurse past Python's limit after the client had the whole stream.
             if not deeper_than(answer, MAX_NESTING):
-                self.recognizer.observe_answer(
-                    recognised.program_id, wire.protocol, body, answer, now
-                )
-        self.recognizer.remember_response(tap.response_id, recognised.program_id, now)
+                recognizer.observe_answer(recognised.program_id, wire.protocol, body, answer, now)
+        recognizer.remember_response(tap.response_id, recognised.program_id, now)
 
     def _learn_from_body(
-        self, protocol: Protocol, recognised: Recognised, body: dict[str, Any], content: bytes
+        self,
+        recognizer: ProgramRecognizer,
+        protocol: Protocol,
+        recognised: Recognised,
+        body: dict[str, Any],
+        content: bytes,
     ) -> None:
         try:
             payload = json.loads(content)
@@ -220,9 +237,9 @@ class Edges:
         now = trio.current_time()
         if recognised.by_prompt:
             answer = protocols.answer_from_body(protocol, payload)
-            self.recognizer.observe_answer(recognised.program_id, protocol, body, answer, now)
+            recognizer.observe_answer(recognised.program_id, protocol, body, answer, now)
         if protocol is Protocol.RESPONSES:
-            self.recognizer.remember_response(
+            recognizer.remember_response(
                 protocols.response_id_from_body(payload), recognised.program_id, now
             )
 
@@ -232,12 +249,13 @@ class Edges:
         serving its model. Not an LLM call: nothing is scheduled or recorded as a step."""
         body = parse_json_object(await request.get_data(False, False, False))
         prepared = prepare_count_tokens(without_program_id(body))
-        recognised = self.recognizer.recognise(
+        client = client_of(request.scope)
+        recognised = self.clients.recognizer(client).recognise(
             Protocol.MESSAGES, body, request.headers, trio.current_time()
         )
         pool = self.gateway.pool
         route = pool.route(prepared.model)  # an unknown model is the gateway's own 404
-        program = self.gateway.scheduler.registry.find(recognised.program_id)
+        program = self.gateway.scheduler.registry.find(scoped(client, recognised.program_id))
         node = pool.get(program.backend) if program is not None else None
         if node is None or not node.healthy or node not in route.nodes:
             node = next((n for n in route.nodes if n.healthy), None)
@@ -249,9 +267,9 @@ class Edges:
         sent = prepared.body
         if route.served is not None and route.served != prepared.model:
             sent = {**sent, "model": route.served}
-        upstream = UpstreamRequest(
-            "POST", endpoint, _upstream_headers(request.headers.items()), json.dumps(sent).encode()
-        )
+        forwarded, client_key = self.clients.withheld(request.headers.items())
+        headers = self.gateway.upstream_headers(node, _upstream_headers(forwarded), client_key)
+        upstream = UpstreamRequest("POST", endpoint, headers, json.dumps(sent).encode())
         return await self._send(node, upstream)
 
     async def _send(self, node: BackendNode, upstream: UpstreamRequest) -> Response:

@@ -15,8 +15,9 @@ answer alike (tests/http/test_relay_fastpath.py checks that these paths take thi
 
 - the drain's count of exchanges, and the exchange's cleanups run however it ends;
 - 503 while draining (``ShuttingDown``), 431 past ``--max-header-bytes``, 413 past
-  ``--max-body-bytes``, 408 when the body is slower than ``--client-timeout``, 503 until the
-  backends are ready (``NotReady``, after the body is read so the connection stays usable);
+  ``--max-body-bytes``, 408 when the body is slower than ``--client-timeout``, 401 without a
+  configured client's key (``ClientUnauthorized``, http/clients.py), 503 until the backends
+  are ready (``NotReady``); both after the body is read so the connection stays usable;
 - errors through the one table (errors.py) in the route's protocol shape, recorded as a
   rejection unless the gateway already recorded the call; any other exception a 500;
 - ``Connection: close`` on answers given while draining;
@@ -45,6 +46,7 @@ from ..errors import (
     reason,
 )
 from ..protocols import Protocol
+from .clients import CLIENT_KEY, Clients, client_of
 from .drain import Drain
 from .edges import Edges, Reply
 from .errors import error_parts
@@ -67,10 +69,9 @@ FAST_ROUTES: dict[str, Protocol] = {
 #: costs no message to build and take apart; a server without it (Hypercorn) gets the messages.
 BODY_WRITER = "thunderproxy.body_writer"
 
-#: Reports a refusal that the gateway did not record: (status, type, message, program id,
-#: method, path).
-#: status, OpenAI type, message, program id, method, path, reason (``errors.reason``).
-Reject = Callable[[int, str, str, "str | None", str, str, str], None]
+#: Reports a refusal that the gateway did not record: status, OpenAI type, message, program id,
+#: method, path, reason (``errors.reason``), the client (``[clients]``; None: not identified).
+Reject = Callable[[int, str, str, "str | None", str, str, str, "str | None"], None]
 
 
 def payload_too_large(limit: int) -> PayloadTooLarge:
@@ -135,8 +136,10 @@ class FastRoutes:
         max_body_bytes: int,
         max_header_bytes: int,
         client_timeout: float,
+        clients: Clients | None = None,
     ) -> None:
         self.edges = edges
+        self.clients = clients or edges.clients
         self.drain = drain
         self.readiness = readiness
         self.reject = reject
@@ -181,6 +184,8 @@ class FastRoutes:
             if size > self.max_header_bytes:
                 raise headers_too_large(size, self.max_header_bytes)
             raw = await self._read_body(receive, items)
+            if self.clients.enabled:
+                scope[CLIENT_KEY] = self.clients.identify(items)
             self.readiness.check()
         except BodyIncomplete as error:
             # Nothing was started and nobody is left to answer, but the request was made:
@@ -254,6 +259,7 @@ class FastRoutes:
                 "POST",
                 scope["path"],
                 reason(error),
+                client_of(scope),
             )
 
     async def _refuse(

@@ -18,6 +18,7 @@ from werkzeug.datastructures import Headers
 from ..backends import UpstreamRequest, UpstreamResponse
 from ..errors import BackendError, InvalidRequest
 from ..gateway import Gateway
+from .clients import Clients, client_of, scoped
 from .guard import DEFAULT_GUARD, PassthroughGuard
 from .streaming import is_streaming
 from .validate import load_json
@@ -103,12 +104,20 @@ RECORDED_KEY = "thunderproxy.recorded"
 
 class Proxy:
     def __init__(
-        self, *, gateway: Gateway, read_timeout: float, guard: PassthroughGuard = DEFAULT_GUARD
+        self,
+        *,
+        gateway: Gateway,
+        read_timeout: float,
+        guard: PassthroughGuard = DEFAULT_GUARD,
+        clients: Clients | None = None,
     ) -> None:
         self.gateway = gateway
         self.pool = gateway.pool
         self.read_timeout = read_timeout
         self.guard = guard
+        #: With client keys, the caller was identified before (http/app.py) and its key is
+        #: withheld from the backend.
+        self.clients = clients
 
     async def passthrough(self, path: str) -> Response:
         """Any other path under --passthrough: relayed to the program's backend or the first
@@ -118,31 +127,37 @@ class Proxy:
         path = self.guard.check(path, authorization)
         drop = frozenset({"authorization"} if self.guard.carries_admin_token(authorization) else ())
         program_id = request.headers.get("x-program-id")
+        if program_id is not None:
+            program_id = scoped(client_of(request.scope), program_id)
         program = None if program_id is None else self.gateway.scheduler.registry.find(program_id)
         node = self.pool.get(program.backend) if program is not None else None
         if node is None or not node.healthy:
             node = self.pool.first_healthy()
+        headers = forward_headers(request.headers.items(), drop=drop)
+        if self.clients is not None and self.clients.enabled:
+            headers, client_key = self.clients.withheld(headers)
+            headers = self.gateway.upstream_headers(node, headers, client_key)
         target = path
         if request.query_string:
             target += "?" + request.query_string.decode("latin-1")
         upstream = UpstreamRequest(
             request.method,
             target,
-            forward_headers(request.headers.items(), drop=drop),
+            headers,
             await request.get_data(False, False, False),
         )
         response = await self.gateway.send(node, upstream)
         on_request_end(response.aclose)
-        headers = response_headers(response.headers)
+        answer_headers = response_headers(response.headers)
         length = plain_length(response.headers)
         if length is not None:
-            headers["content-length"] = length
+            answer_headers["content-length"] = length
         # Streams and plain answers alike go out chunk by chunk as they arrive: a client may be
         # reading a stream as it is produced, and holding a plain answer whole would cost its
         # size in memory per request (10 answers of 60 MB: 600 MB). A plain answer keeps the
         # backend's Content-Length, so a client can tell one cut short.
         body = relay(response, self.read_timeout)
-        return Response(body, status=response.status_code, headers=headers)
+        return Response(body, status=response.status_code, headers=answer_headers)
 
 
 def plain_length(headers: Iterable[tuple[str, str]]) -> str | None:

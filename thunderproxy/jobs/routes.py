@@ -18,6 +18,7 @@ from quart import Blueprint, Response, jsonify, request
 
 from ..errors import InvalidRequest, ThunderproxyError
 from ..http.auth import require_admin
+from ..http.clients import client_of
 from ..http.errors import error_body
 from ..http.validate import parse_integer
 from .errors import ConversationUnknown, JobFailed, JobRunning, StoreUnavailable, describe
@@ -64,8 +65,14 @@ def create_blueprint(
     @bp.before_request
     async def check_token() -> None:
         # Council jobs spend backend time and conversations are private: with an admin token
-        # set, the whole council (page included) needs it.
-        require_admin(request.headers.get("authorization"), admin_token)
+        # set, the whole council (page included) needs it, or with [clients] a client's key
+        # (checked by the app before this hook: http/clients.py).
+        if client_of(request.scope) is None:
+            require_admin(request.headers.get("authorization"), admin_token)
+
+    def caller() -> str | None:
+        # The client's name with [clients]; else its address, which is all there is to count.
+        return client_of(request.scope) or request.remote_addr
 
     async def conversation_or_404(conversation_id: str) -> dict[str, Any]:
         conversation = await store.get_conversation(conversation_id)
@@ -156,7 +163,7 @@ def create_blueprint(
     async def message(conversation_id: str) -> tuple[Response, int]:
         await conversation_or_404(conversation_id)
         content = await question()
-        job_id = await runner.start(conversation_id, content, client=request.remote_addr)
+        job_id = await runner.start(conversation_id, content, client=caller())
         unrecorded = await runner.wait(job_id)
         if unrecorded is not None:
             # The job could not record how it ended: the db refused its writes.
@@ -180,7 +187,7 @@ def create_blueprint(
     async def message_stream(conversation_id: str) -> Response:
         await conversation_or_404(conversation_id)
         content = await question()
-        job_id = await runner.start(conversation_id, content, client=request.remote_addr)
+        job_id = await runner.start(conversation_id, content, client=caller())
         return stream(job_id, 0)
 
     @bp.get("/api/conversations/<conversation_id>/job/status")
