@@ -34,7 +34,7 @@ RESERVE = 16
 #: The one cause the log tells, once a minute at most, with the places it happened.
 _CAUSE = "out of file descriptors"
 _REMEDY = (
-    "raise the proxy's limit (`ulimit -n`, systemd's LimitNOFILE=) or have clients hold fewer "
+    "raise the proxy's limit (ulimit -n, systemd's LimitNOFILE=) or have clients hold fewer "
     "idle connections; no backend is taken out for it"
 )
 

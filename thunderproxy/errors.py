@@ -31,6 +31,8 @@ its HTTP status and OpenAI error type; http/errors.py renders them.
         BackendUnavailable          connection refused or reset (502)
         BackendTimeout              no answer within the configured timeout (504)
         BackendProtocolError        the upstream answered something unreadable (502)
+        OutOfDescriptors            the proxy itself had no file descriptor for the connection
+                                    (503; never counted against the backend's health)
 
 Every message names the thing that failed and, where there is one, the remedy.
 """
@@ -199,6 +201,11 @@ class BackendProtocolError(BackendError):
     pass
 
 
+class OutOfDescriptors(BackendError):
+    """The proxy could not open a connection to a backend because it is out of file
+    descriptors (EMFILE, ENFILE): its own trouble, so the backend stays healthy."""
+
+
 #: Every error class the proxy answers with: (HTTP status, OpenAI error ``type``). Subclasses
 #: not listed take their nearest listed ancestor's entry.
 ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
@@ -227,6 +234,7 @@ ERRORS: dict[type[ThunderproxyError], tuple[int, str]] = {
     BackendUnavailable: (502, "backend_error"),
     BackendProtocolError: (502, "backend_error"),
     NoBackendAvailable: (503, "service_unavailable"),
+    OutOfDescriptors: (503, "service_unavailable"),
     NotReady: (503, "service_unavailable"),
     ProxyStopping: (503, "service_unavailable"),
     ShuttingDown: (503, "service_unavailable"),

@@ -43,6 +43,7 @@ from .backends import BackendPool, open_backend_pool
 from .backends.poller import serve_metrics_poller, wait_until_ready
 from .clock import WallClock
 from .config import RECOGNITION_SOURCES, Settings, load_settings, recognition_sources
+from .descriptors import quiet_trio_accept_log
 from .errors import ConfigError
 from .explore import mount_datasette
 from .gateway import Gateway
@@ -458,6 +459,7 @@ async def run(
                             task_status=task_status,
                         )
                     else:
+                        quiet_trio_accept_log()
                         await serve(
                             outer,  # type: ignore[arg-type]
                             config,

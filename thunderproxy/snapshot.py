@@ -84,10 +84,15 @@ def take(
     components: tuple[ComponentStatistics, ...] = (),
 ) -> Statistics:
     loads = registry.load_by_backend()
+    shown: Mapping[str, Any] | None = None
     try:
-        now: float | None = trio.current_time()
+        trio.current_time()
     except RuntimeError:  # taken outside a trio run (a report after it ended)
-        now = None
+        pass
+    else:
+        # Counting takes a descriptor, and its failure is noted: the clock is read after it.
+        found = descriptors.usage()
+        shown = descriptors.current().as_dict(trio.current_time(), found)
     return Statistics(
         router=router,
         programs=len(registry),
@@ -109,7 +114,5 @@ def take(
         admission=admission,
         shared_kv=shared_kv,
         components=components,
-        descriptors=None
-        if now is None
-        else descriptors.current().as_dict(now, descriptors.usage()),
+        descriptors=shown,
     )

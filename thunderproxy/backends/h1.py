@@ -12,7 +12,9 @@ method (the poller's GETs, the passthrough's).
 
 Errors are the ``BackendError`` tree, as everywhere past ``backends/``: a refused or dropped
 connection is ``BackendUnavailable``, a malformed answer ``BackendProtocolError``, a connect
-that does not complete in time ``BackendTimeout``. Read deadlines are the gateway's.
+that does not complete in time ``BackendTimeout``, and a connection the proxy cannot open for
+want of a file descriptor ``OutOfDescriptors`` (the proxy's trouble, not the backend's). Read
+deadlines are the gateway's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from ..errors import BackendProtocolError, BackendTimeout, BackendUnavailable
+from .. import descriptors
+from ..errors import BackendProtocolError, BackendTimeout, BackendUnavailable, OutOfDescriptors
 from ..urls import redact_url
 from .base import UpstreamRequest
 
@@ -370,6 +373,19 @@ def _header_encoding(headers: list[tuple[bytes, bytes]]) -> str:
     return "latin-1"
 
 
+def out_of_descriptors(backend: str, error: OSError) -> OutOfDescriptors:
+    """The error for a connection to ``backend`` the proxy could not open for want of a file
+    descriptor: counted and logged (once a minute) as the proxy's own trouble, not the
+    backend's (``descriptors.py``)."""
+    descriptors.note_out(f"connecting to {backend}", error)
+    return OutOfDescriptors(
+        f"The proxy is out of file descriptors ({os.strerror(error.errno or 0)}) and could not "
+        f"open a connection to backend {backend}, which is not at fault. Retry shortly; the "
+        "operator should raise the proxy's limit (ulimit -n, systemd's LimitNOFILE=).",
+        backend=backend,
+    )
+
+
 class H1Pool:
     """Keep-alive connections to one backend, ``max_connections`` requests at a time."""
 
@@ -477,6 +493,8 @@ class H1Pool:
                 backend=self.name,
             ) from None
         except OSError as exc:
+            if exc.errno in descriptors.OUT_ERRNOS:
+                raise out_of_descriptors(self.name, exc) from None
             raise self.unavailable(f"refused the connection ({exc.strerror or exc})") from None
 
     async def _read_head(self, stream: Connection, method: str) -> H1Response:

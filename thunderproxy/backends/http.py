@@ -12,10 +12,11 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
+from .. import descriptors
 from ..errors import BackendProtocolError, BackendTimeout, BackendUnavailable
 from ..urls import redact_url
 from .base import UpstreamRequest, UpstreamResponse
-from .h1 import H1Pool
+from .h1 import H1Pool, out_of_descriptors
 
 
 def mapped_error(backend: str, exc: BaseException) -> BaseException:
@@ -33,6 +34,9 @@ def mapped_error(backend: str, exc: BaseException) -> BaseException:
             f"Backend {backend} timed out ({type(exc).__name__}); check that it is running.",
             backend=backend,
         )
+    out = descriptors.out_error(exc) if isinstance(exc, httpx.ConnectError) else None
+    if out is not None:
+        return out_of_descriptors(backend, out)
     if isinstance(
         exc, httpx.ConnectError | httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError
     ):

@@ -518,6 +518,7 @@ def create_app(services: Services) -> ThunderproxyApp:
                 "degraded": stats.degraded,
                 "components": _components_json(stats),
                 "explorer": None if services.explorer is None else services.explorer(),
+                "descriptors": stats.descriptors,
             }
         )
         if starting is not None:

@@ -66,6 +66,8 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState, LifespanState
 from hypercorn.utils import parse_socket_addr, repr_socket_addr, wrap_app
 
+from .. import descriptors
+from ..causes import CauseLog
 from .fastpath import BODY_WRITER, FAST_ROUTES
 
 log = logging.getLogger("thunderproxy.http")
@@ -523,6 +525,9 @@ _ACCEPT_SLEEP_S = 0.1
 
 
 async def _accept(front: Front, listener: socket.socket, connections: trio.Nursery) -> None:
+    # The out-of-resource errors other than descriptors (memory, buffers) are told once a
+    # minute: the loop retries ten times a second while they last.
+    told_errors = CauseLog()
     while True:
         try:
             sock, _ = listener.accept()
@@ -533,7 +538,18 @@ async def _accept(front: Front, listener: socket.socket, connections: trio.Nurse
             if error.errno not in _ACCEPT_LATER:
                 await trio.lowlevel.checkpoint()
                 continue  # one connection failed (e.g. reset while queued): the next one
-            log.error("accept failed (%s); accepting again in %s s", error, _ACCEPT_SLEEP_S)
+            if error.errno in descriptors.OUT_ERRNOS:
+                descriptors.note_out("accepting a connection", error)
+            else:
+                told = told_errors.note(error.errno, str(error), trio.current_time())
+                if told is not None:
+                    log.error(
+                        "accept failed (%s), %d times since the last line; accepting again "
+                        "every %s s while it lasts",
+                        error,
+                        told.count,
+                        _ACCEPT_SLEEP_S,
+                    )
             await trio.sleep(_ACCEPT_SLEEP_S)
             continue
         sock.setblocking(False)
