@@ -48,6 +48,7 @@ from .errors import (
 from .programs import StepUsage
 from .programs.profile import Profiles
 from .scheduling import Scheduler, StepLease
+from .scheduling.classes import named_class
 
 log = logging.getLogger("thunderproxy.gateway")
 
@@ -477,6 +478,7 @@ class Gateway:
                 arrived_at=call.arrived_at,
                 context_chars=call.context_chars,
                 source=call.source,
+                program_class=named_class(call.body, call.headers),
             )
         except ThunderproxyError as exc:
             self._reject(call, exc)
@@ -612,6 +614,7 @@ class Gateway:
             matched_messages=call.matched_messages,
             served_model=served,
             client=call.client,
+            program_class=lease.program_class,
         )
         self.audit.record(record)
         first = first_token_at
@@ -689,6 +692,7 @@ class Gateway:
                 source=call.source,
                 matched_messages=call.matched_messages,
                 client=call.client,
+                program_class=None if program is None else program.program_class,
             )
         )
 

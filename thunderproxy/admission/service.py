@@ -31,13 +31,13 @@ from ..config.limits import ClassSpec, LimitsSpec
 from ..errors import InvalidRequest, RateLimited
 from ..gateway import Admitted, Call
 from ..programs import StepUsage
+from ..scheduling.classes import named_class
 from ..scheduling.learners import PromptSizer
 from .limiter import DIMENSIONS, WINDOWED, Limiter, Reservation, Verdict, window_end
 from .shared import SharedLimits
 
 log = logging.getLogger("thunderproxy.admission")
 
-CLASS_HEADER = "x-program-class"
 #: Programs remembered for their pinned model; the oldest are forgotten past this.
 PINNED_PROGRAMS = 100_000
 #: Weight of the newest completion in a model's learned completion length.
@@ -67,17 +67,8 @@ class Waiter:
 
 def program_class(call: Call) -> str | None:
     """The class a call names: ``program_class`` in its body or ``extra_body``, else the
-    ``X-Program-Class`` header."""
-    body = call.body
-    extra = body.get("extra_body")
-    for source in (body, extra if isinstance(extra, dict) else {}):
-        value = source.get("program_class")
-        if isinstance(value, str) and value:
-            return value
-    for name, value in call.headers:
-        if name.lower() == CLASS_HEADER and value:
-            return value
-    return None
+    ``X-Program-Class`` header (the same name the scheduler reads its latency class from)."""
+    return named_class(call.body, call.headers)
 
 
 def requested_completion(body: Mapping[str, Any]) -> int | None:

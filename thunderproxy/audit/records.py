@@ -122,6 +122,9 @@ class StepRecord:
     #: The model the call was sent to, where ``model`` (the one asked for) went elsewhere or
     #: not; None for a call that reached no backend.
     served_model: str | None = None
+    #: The program's latency class (scheduling/classes.py) when the call went out, or when it
+    #: ended unsent; None where the scheduler did not say.
+    program_class: str | None = None
     #: The configured client that sent the call (``[clients]``); None without client keys.
     client: str | None = None
 
@@ -143,6 +146,7 @@ class StepRecord:
         source: str | None = None,
         matched_messages: int | None = None,
         served_model: str | None = None,
+        program_class: str | None = None,
         client: str | None = None,
     ) -> StepRecord:
         """The row of a call that reached a backend (``lease`` is its scheduler lease)."""
@@ -167,6 +171,7 @@ class StepRecord:
             source=source,
             matched_messages=matched_messages,
             served_model=served_model,
+            program_class=program_class,
             client=client,
         )
 
@@ -185,6 +190,7 @@ class StepRecord:
         error: str,
         source: str | None = None,
         matched_messages: int | None = None,
+        program_class: str | None = None,
         client: str | None = None,
     ) -> StepRecord:
         """The row of a call that ended while it waited for its program to be resumed."""
@@ -208,6 +214,7 @@ class StepRecord:
             error=error,
             source=source,
             matched_messages=matched_messages,
+            program_class=program_class,
             client=client,
         )
 
@@ -243,6 +250,7 @@ class StepRecord:
             "source": self.source,
             "matched_messages": self.matched_messages,
             "served_model": self.served_model,
+            "program_class": self.program_class,
             "client": self.client,
         }
 

@@ -83,6 +83,8 @@ RECOGNITION_SOURCES = (
     "prefix",
 )
 RECOGNITION_DEFAULT = tuple(s for s in RECOGNITION_SOURCES if s != "user")
+#: The latency classes a program may be in (scheduling/classes.py says what each means).
+PROGRAM_CLASSES = ("batch", "interactive")
 
 
 def recognition_sources(value: str) -> frozenset[str]:
@@ -198,6 +200,21 @@ class PolicyConfig:
         "capacity and idle programs are paused to make room for it; at the bound it is "
         "resumed, capacity or not.",
         flag="--max-wait",
+    )
+    interactive_max_wait_s: float = setting(
+        3.0 * SECONDS,
+        "tr: the longest a call of an interactive program waits for capacity (batch programs "
+        "wait up to --max-wait): room is made for it from batch programs at once, and at the "
+        "bound it goes out, capacity or not.",
+        flag="--interactive-max-wait",
+        check=lambda v: None if v >= 0 else "must be >= 0 seconds",
+    )
+    default_program_class: str = setting(
+        "batch",
+        "The latency class of a program whose calls name none (program_class, X-Program-Class) "
+        "and that is not recognised as Claude Code, Codex or aider: batch (its calls held up to "
+        "--max-wait) or interactive (up to --interactive-max-wait).",
+        choices=PROGRAM_CLASSES,
     )
     mid_program_head_start_s: float = setting(
         60.0 * SECONDS,

@@ -65,6 +65,8 @@ class Program:
     protected_until: float = 0.0
     #: How its first call was recognised (recognition's Source value); None if not told.
     source: str | None = None
+    #: Its latency class (scheduling/classes.py), set by the scheduler from its calls.
+    program_class: str | None = None
     #: The longest tool (acting) time it has shown between two calls.
     longest_tool_s: float = 0.0
     #: Acting, and silent for longer than its tool gaps explain (``ending.py``): counted as

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..config import PolicyConfig as PolicyConfig
 from ..programs import ProgramStatus
+from .classes import INTERACTIVE
 from .tiers import assumed_tier
 from .values import Action as Action
 from .values import BackendView as BackendView
@@ -166,6 +167,30 @@ def priority(p: ProgramView, cfg: PolicyConfig, now: float) -> float:
     return wait + credit(p, cfg) + head_start
 
 
+def interactive(p: ProgramView) -> bool:
+    return p.program_class == INTERACTIVE
+
+
+def bound(p: ProgramView, cfg: PolicyConfig) -> float:
+    """The longest ``p``'s call waits in the proxy: its class's bound (classes.py)."""
+    return cfg.interactive_max_wait_s if interactive(p) else cfg.max_wait_s
+
+
+def urgent(p: ProgramView, cfg: PolicyConfig, now: float) -> bool:
+    """Whether room is made for ``p``'s waiting call now, and it reserves the next free room:
+    a batch call once it has waited half its bound, an interactive one at once (its bound is
+    seconds: room that happens to free itself within them would be luck)."""
+    if p.waiting_since is None:
+        return False
+    return interactive(p) or now - p.waiting_since >= cfg.max_wait_s / 2
+
+
+def rank(p: ProgramView, cfg: PolicyConfig, now: float) -> tuple[bool, float]:
+    """Resume order, first first: interactive programs' calls before batch ones (a person
+    waits on them), then by ``priority``."""
+    return (not interactive(p), -priority(p, cfg, now))
+
+
 def credit(p: ProgramView, cfg: PolicyConfig) -> float:
     """What a program's earlier calls waited, counted in its resume priority up to half the
     bound (``max_wait_s``). A program's run is the sum of its waits: ordered by the current
@@ -186,18 +211,16 @@ def need(p: ProgramView, b: BackendView, used: int, cfg: PolicyConfig) -> int:
 def due(
     b: BackendView, programs: Iterable[ProgramView], cfg: PolicyConfig, now: float
 ) -> ProgramView | None:
-    """The waiting program of ``b`` room is made for: the first by priority of those that
-    waited half the bound (``max_wait_s``). Making room then, rather than resuming it over
-    capacity at the bound, keeps the bound without overloading the engine."""
+    """The waiting program of ``b`` room is made for: the first by ``rank`` of those that are
+    ``urgent`` (a batch call that waited half its bound, any interactive call). Making room
+    then, rather than resuming it over capacity at the bound, keeps the bound without
+    overloading the engine."""
     heads = [
         p
         for p in programs
-        if p.status is ProgramStatus.PAUSED
-        and p.backend == b.url
-        and p.waiting_since is not None
-        and now - p.waiting_since >= cfg.max_wait_s / 2
+        if p.status is ProgramStatus.PAUSED and p.backend == b.url and urgent(p, cfg, now)
     ]
-    return max(heads, key=lambda p: priority(p, cfg, now)) if heads else None
+    return min(heads, key=lambda p: rank(p, cfg, now)) if heads else None
 
 
 def tool_estimate(p: ProgramView, now: float) -> float:
@@ -253,9 +276,15 @@ def admit(
     cfg: PolicyConfig,
     now: float,
 ) -> Decision:
-    """May a new program's first call go out now on backend ``b``, or must it queue?"""
+    """May a new program's first call go out now on backend ``b``, or must it queue? An
+    interactive newcomer is weighed against the usual view, not the admission one (it does
+    not wait at its boundary for batch programs under way), and only interactive programs
+    already waiting go before it."""
     cap = limit(b, cfg)
-    used = admission_used(b, programs, cfg, now)
+    if interactive(p):
+        used = used_tokens(b, programs, cfg, now)
+    else:
+        used = admission_used(b, programs, cfg, now)
     if cap is None:
         return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, used)
     if not b.hold:
@@ -264,7 +293,13 @@ def admit(
         return _decision(
             Action.ADMIT, p, b.unheld_rule, b, cfg, now, used, detail=dict(b.hold_inputs)
         )
-    waiting = [q for q in programs if q.waiting_since is not None and q.program_id != p.program_id]
+    waiting = [
+        q
+        for q in programs
+        if q.waiting_since is not None
+        and q.program_id != p.program_id
+        and (interactive(q) or not interactive(p))
+    ]
     if waiting:
         # Fairness: newcomers do not overtake programs already waiting for capacity.
         return _decision(
@@ -360,9 +395,11 @@ def enforce(
     head = due(b, mine, cfg, now)
     # The cooldown spaces rounds of pauses (pausing and resuming at every step churned the
     # cache). With ``make_room_at_once``, room for a call past half its bound is made whenever
-    # a call ends: it waits less, and more programs are paused for it.
+    # a call ends: it waits less, and more programs are paused for it. Room for an interactive
+    # call is always made at once: its bound is shorter than a cooldown.
     cooling = b.last_pause_at is not None and now - b.last_pause_at < cfg.pause_cooldown_s
-    if cooling and (head is None or not cfg.make_room_at_once):
+    for_person = head is not None and interactive(head)
+    if cooling and (head is None or not (cfg.make_room_at_once or for_person)):
         return []
     used = used_tokens(b, mine, cfg, now)
     room = cap
@@ -379,20 +416,21 @@ def enforce(
         rule = "make_room"
         head_wait = round(now - head.waiting_since, 6) if head.waiting_since is not None else 0.0
         extra = {"detail": {"for": head.program_id, "waited_s": head_wait}}
-    elif cooling:
+    elif cooling and not for_person:
         return []
     decisions: list[Decision] = []
     movable = [p for p in mine if not p.marked and p.protected_until <= now]
-    # The program whose tool is expected to run the longest goes first: its cache is the
-    # coldest, its return the least imminent, and its pause the most likely to end before it
-    # wanted to call again (a pause that costs nothing).
+    # Batch programs go first: an interactive program's next call is a person waiting. Then
+    # the program whose tool is expected to run the longest: its cache is the coldest, its
+    # return the least imminent, and its pause the most likely to end before it wanted to call
+    # again (a pause that costs nothing).
     acting = sorted(
         (
             p
             for p in movable
             if p.status is ProgramStatus.ACTING and p.in_flight == 0 and p.waiting_since is None
         ),
-        key=lambda p: (-tool_estimate(p, now), -p.tokens),
+        key=lambda p: (interactive(p), -tool_estimate(p, now), -p.tokens),
     )
     horizon = keep_horizon(b, cfg)
     for p in acting:
@@ -419,7 +457,7 @@ def enforce(
     reasoning_used = used_tokens(b, busy, cfg, now)
     reasoning = sorted(
         (p for p in movable if p.status is ProgramStatus.REASONING),
-        key=lambda p: -p.created_at,
+        key=lambda p: (interactive(p), -p.created_at),
     )
     for p in reasoning:
         if reasoning_used <= cap:
@@ -487,10 +525,11 @@ def resume(
 ) -> list[Decision]:
     """Which paused programs go back, and where.
 
-    Waiting programs first, by ``priority`` (the longest wait first, programs under way ahead
-    of new ones). A waiting program that has waited half of ``max_wait_s`` and does not fit
-    reserves the next freed capacity (no one behind it may pass); at ``max_wait_s`` it is
-    resumed regardless of capacity. On a backend where holding programs back does not pay
+    Waiting programs first, by ``rank`` (interactive programs first, then the longest wait,
+    programs under way ahead of new ones). An ``urgent`` waiting program (a batch one that has
+    waited half of ``max_wait_s``, any interactive one) that does not fit reserves the next
+    freed capacity (no one behind it may pass); at its class's ``bound`` it is resumed
+    regardless of capacity. On a backend where holding programs back does not pay
     (``BackendView.hold``), waiting programs go back at once. Paused programs whose tool still
     runs are resumed only into room left over.
     """
@@ -505,10 +544,11 @@ def resume(
     paused = [p for p in programs if p.status is ProgramStatus.PAUSED]
     waiting = sorted(
         (p for p in paused if p.waiting_since is not None),
-        key=lambda p: (-priority(p, cfg, now), p.waiting_since or 0.0),
+        key=lambda p: (*rank(p, cfg, now), p.waiting_since or 0.0),
     )
     idle = sorted(
-        (p for p in paused if p.waiting_since is None), key=lambda p: p.paused_since or 0.0
+        (p for p in paused if p.waiting_since is None),
+        key=lambda p: (not interactive(p), p.paused_since or 0.0),
     )
     # Each backend's use is summed once; resumes decided in this round are added as they
     # come (one pass over the programs per backend, not one per candidate: this runs on every
@@ -546,7 +586,7 @@ def resume(
             used_by[own.url] += p.tokens + cfg.decode_buffer
             admit_by[own.url] += p.tokens + cfg.decode_buffer
             continue
-        if p.waiting_since is not None and waited >= cfg.max_wait_s:
+        if p.waiting_since is not None and waited >= bound(p, cfg):
             target = own or min(group, key=lambda b: used_by[b.url])
             used = used_by[target.url]
             decisions.append(
@@ -567,17 +607,18 @@ def resume(
             continue
         if blocked:
             continue
-        urgent = p.waiting_since is not None and waited >= cfg.max_wait_s / 2
+        pressing = urgent(p, cfg, now)
         candidates = ([own] if own else []) + sorted(
             (b for b in group if b is not own),
             key=lambda b: used_by[b.url],
         )
         placed = False
         for b in candidates:
-            if b.url not in ready and not urgent:
+            if b.url not in ready and not pressing:
                 continue  # a call past half its bound takes its room without a cooldown
             used = used_by[b.url]
-            if not _fits(p, b, admit_by[b.url] if p.steps == 0 else used, cfg):
+            first = p.steps == 0 and not interactive(p)  # weighed as ``admit`` weighs it
+            if not _fits(p, b, admit_by[b.url] if first else used, cfg):
                 continue
             if b is own or p.backend is None:
                 action, rule = Action.RESUME, "capacity_free"
@@ -602,7 +643,7 @@ def resume(
             admit_by[b.url] += p.tokens + cfg.decode_buffer
             placed = True
             break
-        if not placed and p.waiting_since is not None and waited >= cfg.max_wait_s / 2:
+        if not placed and pressing:
             blocked = True  # aging: the head reserves the next free capacity
     return decisions
 

@@ -22,6 +22,7 @@ from ..backends import BackendNode, BackendPool, Route
 from ..errors import ModelNotFound, NoBackendAvailable, ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
 from . import claims as shared_claims
+from .classes import INTERACTIVE, resolve
 from .costs import horizon_s
 from .learners import PromptSizer, program_estimate
 from .policies import Policy, Views
@@ -53,6 +54,8 @@ class StepLease:
     holding: bool = True
     #: Of its wait in the proxy, the seconds its backend's engine was seen full.
     displaced_s: float = 0.0
+    #: The program's latency class when the call went out (classes.py).
+    program_class: str | None = None
 
 
 class Affinity(Protocol):
@@ -176,9 +179,11 @@ class Scheduler:
         arrived_at: float,
         context_chars: int,
         source: str | None = None,
+        program_class: str | None = None,
     ) -> StepLease:
         """Wait until ``program_id``'s call may go out, then lease it a backend of ``route``.
-        ``source`` (how the program was recognised) is recorded if this call creates it."""
+        ``source`` (how the program was recognised) is recorded if this call creates it;
+        ``program_class`` is the class the call names, if any (classes.py resolves it)."""
         program = self.registry.find(program_id)
         known = None
         if program is None and self.affinity is not None:
@@ -188,9 +193,18 @@ class Scheduler:
         fresh = program is None  # a first call: its KV claim is new
         gate: Decision | None = None
         returned = True
+        klass = resolve(
+            program_class,
+            source,
+            None if program is None else program.program_class,
+            self.config.default_program_class,
+        )
         if program is None:
-            program = self._admit(program_id, route, arrived_at, context_chars, source, known)
+            program = self._admit(
+                program_id, route, arrived_at, context_chars, source, known, klass
+            )
         else:
+            program.program_class = klass
             returned = self._observe_return(program, arrived_at)
             gate = self._gate_return(program, arrived_at, context_chars)
         # Where the engine was already full when the call came, and until it goes out.
@@ -245,6 +259,7 @@ class Scheduler:
             displaced_s=self._saturated_s(node.url) - full_s_before
             if entered_on == node.url
             else 0.0,
+            program_class=program.program_class,
         )
         self.rebalance(now, backends=[node.url])
         return lease
@@ -393,9 +408,11 @@ class Scheduler:
         context_chars: int,
         source: str | None = None,
         known: str | None = None,
+        program_class: str | None = None,
     ) -> Program:
         """A program's first call: admitted as REASONING, or queued (PAUSED) by the policy;
         placed on ``known`` (where another instance ran it) while that backend is healthy."""
+        klass = program_class or self.config.default_program_class
         estimate = self._sizer(route.requested).estimate(context_chars)
         node = self._choose(program_id, known, route)
         now = self._now()
@@ -406,6 +423,7 @@ class Scheduler:
             estimate,
             created_at=now,
             eligible=self.source.eligible(route.requested),
+            program_class=klass,
         )
         decision = self.policy.admit(candidate, self.views(), now)
         if decision is not None and decision.action is Action.QUEUE:
@@ -433,6 +451,7 @@ class Scheduler:
             created = arrived_at if decision is None else now
             program, _ = self.registry.get_or_create(program_id, created, source=source)
         program.model = route.requested
+        program.program_class = klass
         self.registry.assign(program, node.url)
         if decision is not None:
             self.registry.set_tokens(program, estimate)
@@ -444,10 +463,13 @@ class Scheduler:
         waiter = self._waiters.add(program.program_id)
         self.rebalance(self._now())
         since = program.waiting_since if program.waiting_since is not None else arrived_at
+        bound = self.config.max_wait_s
+        if program.program_class == INTERACTIVE:
+            bound = self.config.interactive_max_wait_s
         try:
             # The bound is kept by the waiting request itself, at its own deadline, not by
             # the resume monitor's next tick.
-            with trio.move_on_at(since + self.config.max_wait_s):
+            with trio.move_on_at(since + bound):
                 await waiter.wait()
             if not waiter.woken:
                 self._force_resume(program)

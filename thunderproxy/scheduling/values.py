@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..programs import ProgramStatus
+from .classes import BATCH
 
 
 class Action(StrEnum):
@@ -48,6 +49,9 @@ class ProgramView:
     tool_s: float | None = None
     #: Seconds its calls have waited in the proxy so far, the waits of calls already sent.
     waited_total_s: float = 0.0
+    #: Its latency class (classes.py): an interactive program's calls wait at most
+    #: ``interactive_max_wait_s``, and room is made for them from batch programs first.
+    program_class: str = BATCH
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,7 @@ class ViewSource:
             steps=p.step_count,
             tool_s=p.last_tool_s,
             waited_total_s=self._waited.get(p.program_id, 0.0),
+            program_class=p.program_class or self.config.default_program_class,
         )
 
     def views(self, now: float) -> Views:
