@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from thunderproxy.bench.agents.agent import ProgramLog, RunLog, StepLog
+from thunderproxy.bench.agents.transport import program_classes
 from thunderproxy.bench.report import figures
 from thunderproxy.bench.runs.harness import SUMMARY_KEYS
 
@@ -104,3 +105,28 @@ def test_mean_program_time_is_reported_beside_the_median() -> None:
     assert f["program_time_mean_s"] == pytest.approx(30.0)
     assert f["program_time_p50_s"] == 20.0
     assert "program_time_mean_s" in SUMMARY_KEYS
+
+
+def test_later_calls_ttft_and_waits_are_split_by_class_where_there_are_two() -> None:
+    classes = program_classes(["a", "b", "c", "d"], 1)
+    assert classes == {"a": "interactive", "b": "batch", "c": "batch", "d": "batch"}
+
+    def step(program: str, n: int, ttft: float) -> StepLog:
+        return StepLog(program, n, 1, 0.0, ttft + 1, ttft, 100, 10, 0, 200)
+
+    log = RunLog(time_scale=1.0, started_at=0.0)
+    log.steps = [step("a", 1, 50.0), step("a", 2, 2.0), step("b", 2, 40.0), step("c", 3, 30.0)]
+    out = figures.compute(
+        log,
+        {},
+        pause_time_s=0.0,
+        classes=classes,
+        class_waits={"interactive": [1.0, 3.0], "batch": [100.0]},
+    )
+    assert out["interactive_ttft_later_p99_s"] == 2.0  # its first call is not a later one
+    assert out["batch_ttft_later_p99_s"] == pytest.approx(39.9)
+    assert (out["interactive_wait_max_s"], out["batch_wait_max_s"]) == (3.0, 100.0)
+    # All of one class: the whole run's figures say it.
+    alone = figures.compute(log, {}, pause_time_s=0.0, classes=program_classes(["a", "b"], 0))
+    assert alone["interactive_ttft_later_p99_s"] is None
+    assert alone["batch_wait_max_s"] is None

@@ -167,3 +167,59 @@ def test_the_ci_suite_prints_every_target_and_a_verdict_per_cell(tmp_path: Path)
         assert any(line.startswith(cell.name) and verdict_word in line for line in lines[header:])
         assert all(r["program_time_mean_s"] > 0 for r in results.values())
     assert "cells pass" in result.output
+
+
+MIXED = suite.Cell("m", "mixed", BenchConfig(virtual=True, interactive=4), suite._arms())
+
+
+@pytest.mark.parametrize(
+    ("ttft", "held", "passed"),
+    [
+        (12.0, 3.0, True),  # 1.2x the baseline's, held exactly the bound: both inclusive
+        (12.1, 1.0, False),  # interactive later calls' TTFT p99 1.21x
+        (5.0, 3.01, False),  # an interactive call held past its bound
+        (5.0, None, False),  # a hold nobody measured is no promise kept
+    ],
+)
+def test_where_programs_are_interactive_the_verdict_asks_for_their_tail_and_bound(
+    ttft: float, held: float | None, passed: bool
+) -> None:
+    more = {"interactive_ttft_later_p99_s": ttft}
+    if held is not None:
+        more["interactive_wait_max_s"] = held
+    results = {
+        "default": figures(50.0, 300.0, interactive_ttft_later_p99_s=10.0),
+        "tr": figures(60.0, 250.0, **more),
+    }
+    judged = suite.verdict(MIXED, results)
+    assert judged.passed is passed
+    assert judged.interactive_bound_s == 3.0
+    assert "interactive:" in judged.line()
+    # A cell without interactive programs is judged as before, whatever the figures say.
+    plain = suite.Cell("c", "c", BenchConfig(virtual=True), suite._arms())
+    assert suite.verdict(plain, results).interactive_bound_s is None
+
+
+def test_the_mixed_cell_has_4_interactive_programs_among_32_and_rows_per_class() -> None:
+    cell = next(c for c in suite.full_cells() if c.name == "mixed")
+    config = cell.config
+    assert (config.interactive, config.programs, config.concurrency, config.kv_tokens) == (
+        4,
+        32,
+        32,
+        432_000,
+    )
+    classes = config.program_classes(workload_for(config))
+    assert sorted(classes.values()).count("interactive") == 4
+    assert len(classes) == 32
+    assert "--interactive 4" in cell.command(cell.arms[0])
+    result = suite.CellResult(cell, {"default": figures(26.0, 3000.0), "tr": figures(33.0, 2400.0)})
+    labels = [row[1] for row in suite.rows([result])[1:]]
+    assert labels == [
+        "default",
+        "default, interactive",
+        "default, batch",
+        "tr",
+        "tr, interactive",
+        "tr, batch",
+    ]

@@ -153,6 +153,9 @@ def _progress_factory(enabled: bool | None) -> Any:
               help="Fraction of each answer's tokens the next prompt carries, the last ones "
               "(0.3: a reasoning model whose thinking is not sent back; default: the "
               "trace's own, all for ThunderAgent).")  # fmt: skip
+@click.option("--interactive", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Programs whose calls are sent as X-Program-Class: interactive, spread "
+              "evenly over the workload; the others are sent as batch.")  # fmt: skip
 @click.option("--release/--no-release", default=True, show_default=True,
               help="Whether agents release their programs when they end (POST "
               "/programs/release). --no-release: the proxy learns a program ended only from "
@@ -254,6 +257,7 @@ def bench_command(
     gap_scale: float,
     shared_prefix_tokens: int | None,
     carry_answer: float | None,
+    interactive: int,
     release: bool,
     proxy_settings: tuple[str, ...],
     sim_settings: tuple[str, ...],
@@ -330,6 +334,7 @@ def bench_command(
             rate=rate,
             gap_scale=gap_scale,
             release=release,
+            interactive=interactive,
             shared_prefix_tokens=shared_prefix_tokens,
             carry_answer=carry_answer,
             proxy_settings=parse_settings(proxy_settings),

@@ -13,6 +13,7 @@ from ..config import SETTINGS, Settings, load_settings, sim_overrides
 from ..errors import ConfigError
 from ..sim import PROFILES, SimConfig
 from .agents.agent import ARRIVALS, Schedule
+from .agents.transport import program_classes
 from .workloads.workload import Workload
 
 #: Targets the bench runs itself; anything starting with http(s):// is an external proxy.
@@ -188,6 +189,9 @@ class BenchConfig:
     audit_run: int | None = None
     #: False: agents never release their programs (``--no-release``), as most frameworks.
     release: bool = True
+    #: Programs whose calls are sent as ``interactive`` (X-Program-Class), spread evenly over
+    #: the workload; every other program's as ``batch``.
+    interactive: int = 0
     #: The prefix every program's prompt shares, in tokens (None: the trace's own).
     shared_prefix_tokens: int | None = None
     #: Fraction of each answer's tokens the next prompt carries (None: the trace's own).
@@ -206,6 +210,8 @@ class BenchConfig:
             raise ConfigError("--concurrency must be >= 0.")
         if not 0 < self.sample <= 1:
             raise ConfigError("--sample must be in (0, 1].")
+        if self.interactive < 0:
+            raise ConfigError("--interactive must be >= 0.")
         if self.shared_prefix_tokens is not None and self.shared_prefix_tokens < 0:
             raise ConfigError("--shared-prefix-tokens must be >= 0.")
         if self.carry_answer is not None and not 0 <= self.carry_answer <= 1:
@@ -312,6 +318,10 @@ class BenchConfig:
             time_scale=time_scale,
             seed=self.seed,
         )
+
+    def program_classes(self, workload: Workload) -> dict[str, str]:
+        """Each program's latency class, as its agent names it on every call."""
+        return program_classes([p.program_id for p in workload.programs], self.interactive)
 
     def arrivals_for(self, workload: Workload) -> str:
         return self.arrivals or workload.natural_arrivals

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -21,12 +21,23 @@ from ...backends import Backend, UpstreamRequest
 from ...errors import ProgramUnknown, ThunderproxyError, describe
 from ...gateway import Call, Gateway
 from ...http.sse import OPENAI
+from ...scheduling.classes import BATCH, CLASS_HEADER, INTERACTIVE
 from ...sim.engine.tokenizer import Tokenizer
 from ..workloads.prompts import Conversation
 from .agent import CallResult
 
 ENDPOINT = "/v1/chat/completions"
 RELEASE_TIMEOUT_S = 10.0
+
+
+def program_classes(program_ids: Sequence[str], interactive: int) -> dict[str, str]:
+    """Each program's latency class: ``interactive`` programs spread evenly over
+    ``program_ids`` (the first, then every len/n-th), every other one ``batch``. The bench's
+    agents name their class on every call, as rollouts and benches should: the proxy's default
+    class is then no part of what is measured."""
+    n = len(program_ids)
+    chosen = {(i * n) // interactive for i in range(min(interactive, n))} if interactive else set()
+    return {pid: INTERACTIVE if i in chosen else BATCH for i, pid in enumerate(program_ids)}
 
 
 def request_body(
@@ -128,11 +139,15 @@ class HttpTransport:
         proxy_url: str | None = None,
         tokenizer: Tokenizer | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        classes: Mapping[str, str] | None = None,
     ) -> None:
         self.client = client
         self.base_for = base_for
         self.model = model
         self.extra_body = dict(extra_body or {})
+        #: Each program's latency class (``program_classes``), sent to a proxy as
+        #: ``X-Program-Class``; a program not listed is ``batch``.
+        self.classes = dict(classes or {})
         #: Set for proxies: program ids are sent and programs released there.
         self.proxy_url = proxy_url
         self.tokenizer = tokenizer or Tokenizer()
@@ -150,6 +165,8 @@ class HttpTransport:
         # <program>-<step> is how thunderproxy names upstream requests and how the simulator
         # attributes KV blocks to programs; sending it keeps direct runs attributable too.
         headers = {"X-Request-Id": f"{program_id}-{step}"}
+        if self.proxy_url:
+            headers[CLASS_HEADER] = self.classes.get(program_id, BATCH)
         url = self.base_for(program_id) + ENDPOINT
         sse = SSEResult()
         first: float | None = None
@@ -195,12 +212,15 @@ class InProcessTransport:
         place: Callable[[str], str],
         model: str,
         tokenizer: Tokenizer | None = None,
+        classes: Mapping[str, str] | None = None,
     ) -> None:
         self.backends = backends
         self.gateway = gateway
         self.place = place
         self.model = model
         self.tokenizer = tokenizer or Tokenizer()
+        #: Each program's latency class, named on its calls as the HTTP transport names it.
+        self.classes = dict(classes or {})
 
     async def call(
         self, program_id: str, step: int, conversation: Conversation, max_tokens: int
@@ -218,6 +238,7 @@ class InProcessTransport:
             stream=True,
             context_chars=conversation.chars,
             source="explicit",
+            headers=[(CLASS_HEADER, self.classes.get(program_id, BATCH))],
         )
         try:
             async with self.gateway.call(call) as exchange:

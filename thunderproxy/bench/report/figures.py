@@ -10,7 +10,10 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..agents.agent import RunLog
+from ..agents.agent import RunLog, StepLog
+
+#: Latency classes reported apart (scheduling/classes.py), where a run has more than one.
+CLASSES = ("interactive", "batch")
 
 #: The simulator truth counters summed over backends (``/_sim/state`` ``counters``).
 TRUTH_COUNTERS = (
@@ -59,6 +62,10 @@ KEYS: tuple[tuple[str, str, str], ...] = (
     ("wait_mid_total_s", "time later calls waited in the proxy (mid-program)", "{:.0f}"),
     ("wait_mid_p99_s", "a later call's wait in the proxy, 99th percentile", "{:.1f}"),
     ("wait_mid_max_s", "the longest wait of a later call in the proxy", "{:.1f}"),
+    ("interactive_ttft_later_p99_s", "interactive programs' later calls: TTFT, p99", "{:.2f}"),
+    ("interactive_wait_max_s", "the longest an interactive call waited in the proxy", "{:.2f}"),
+    ("batch_ttft_later_p99_s", "batch programs' later calls: TTFT, p99", "{:.2f}"),
+    ("batch_wait_max_s", "the longest a batch program's call waited in the proxy", "{:.2f}"),
     ("errors", "failed call attempts", "{:d}"),
     ("duration_s", "first arrival to last token", "{:.0f}"),
 )
@@ -96,11 +103,15 @@ def compute(
     pause_time_s: float | None,
     pauses: int | None = None,
     waits: Sequence[tuple[int, float]] | None = None,
+    classes: Mapping[str, str] | None = None,
+    class_waits: Mapping[str, Sequence[float]] | None = None,
 ) -> dict[str, Any]:
     """The figures of one run (see :data:`KEYS`); ``pause_time_s`` in trio seconds and
     ``pauses`` (programs moved to PAUSED) are None when the target cannot say (a proxy that
     is not thunderproxy). ``waits`` are the proxy's own ``(step, seconds waited)`` per call
-    (trio seconds), split into first calls (admission) and later calls (mid-program)."""
+    (trio seconds), split into first calls (admission) and later calls (mid-program).
+    ``classes`` (program -> latency class) splits later calls' TTFT by class where the run
+    has more than one; ``class_waits``, the proxy's waits by the class it recorded."""
     scale = log.time_scale
     ok = [s for s in log.steps if s.ok]
     done = [p for p in log.programs if p.completed and p.finished_at is not None]
@@ -166,11 +177,40 @@ def compute(
         "pause_time_total_s": None if pause_time_s is None else pause_time_s / scale,
         "pauses": pauses,
         **split,
+        **by_class(ok, scale, classes, class_waits),
         "errors": sum(1 for s in log.steps if not s.ok),
         "duration_s": duration,
         "sim_max_lag_s": truth.get("max_lag_s", 0.0),
     }
     return figures
+
+
+def by_class(
+    ok: Sequence[StepLog],
+    scale: float,
+    classes: Mapping[str, str] | None,
+    waits: Mapping[str, Sequence[float]] | None,
+) -> dict[str, Any]:
+    """Later calls' TTFT p99 and the longest wait in the proxy, per latency class: what an
+    interactive class promises is read apart from the batch programs beside it. None where
+    the run's programs are all of one class (the whole run's figures say it) or, for waits,
+    where the target cannot say."""
+    out: dict[str, Any] = {}
+    mixed = classes is not None and len(set(classes.values())) > 1
+    for name in CLASSES:
+        ttfts = [
+            (s.first_token_at - s.sent_at) / scale
+            for s in ok
+            if mixed
+            and classes is not None
+            and classes.get(s.program_id) == name
+            and s.first_token_at is not None
+            and s.step > 1
+        ]
+        held = None if waits is None or not mixed else waits.get(name)
+        out[f"{name}_ttft_later_p99_s"] = percentile(ttfts, 99)
+        out[f"{name}_wait_max_s"] = max(held) / scale if held else None
+    return out
 
 
 def wait_split(waits: Sequence[tuple[int, float]] | None, scale: float) -> dict[str, Any]:

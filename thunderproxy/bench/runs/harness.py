@@ -92,6 +92,11 @@ class BenchReport:
             # The CPU tier's rows only where some backend has one: elsewhere they are all 0.
             at = keys.index("prefix_hit_rate") + 1
             keys = (*keys[:at], "cpu_hit_tokens", "cpu_loads", *keys[at:])
+        if self.config.interactive:
+            # Each latency class's tail, where the programs are of more than one.
+            at = keys.index("ttft_p99_s") + 1
+            keys = (*keys[:at], *(k for k, _, _ in figures.KEYS if k.startswith(figures.CLASSES)),
+                    *keys[at:])  # fmt: skip
         return figures.table(self.summaries(), keys=keys)
 
     def has_cpu_tier(self) -> bool:

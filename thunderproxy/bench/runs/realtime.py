@@ -493,7 +493,7 @@ class Session:
             base_for = _constant(target)
         transport = HttpTransport(
             self.client, base_for=base_for, model=fleet.model, proxy_url=proxy_url,
-            extra_body=fleet.extra_body,
+            extra_body=fleet.extra_body, classes=self.config.program_classes(self.workload),
         )  # fmt: skip
         agents = Agents(self.workload, transport, schedule, time_scale=scale, progress=progress)
         await fleet.begin()
@@ -524,7 +524,13 @@ class Session:
             concurrency=schedule.concurrency,
             kv_tokens=kv,
             figures={
-                **figures.compute(log, totals, pause_time_s=pause, pauses=pauses),
+                **figures.compute(
+                    log,
+                    totals,
+                    pause_time_s=pause,
+                    pauses=pauses,
+                    classes=self.config.program_classes(self.workload),
+                ),
                 **engine_figures,
             },
             log=log,

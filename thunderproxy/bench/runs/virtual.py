@@ -112,6 +112,7 @@ async def run_target(
     schedule = config.schedule(workload, concurrency)
     router = PROXY_ROUTERS.get(target)
     settings = config.settings(target) if router is not None else None
+    classes = config.program_classes(workload)
     send, receive = trio.open_memory_channel[AuditRecord](math.inf)
     audit = AuditLog(send, run_id=0)
     pool = BackendPool()
@@ -153,6 +154,7 @@ async def run_target(
             gateway=gateway,
             place=sticky_round_robin(urls),
             model=config.model,
+            classes=classes,
         )
         agents = Agents(workload, transport, schedule, time_scale=1.0, progress=progress)
         log = await agents.run()
@@ -162,8 +164,14 @@ async def run_target(
     pause = 0.0
     pauses = None
     waits = None
+    class_waits: dict[str, list[float]] | None = None
     if router is not None:
         waits = [(r.step, r.queue_s) for r in records if isinstance(r, StepRecord)]
+        class_waits = {}
+        for r in records:
+            # The class the proxy itself resolved and recorded, not the one the agent sent.
+            if isinstance(r, StepRecord) and r.program_class is not None:
+                class_waits.setdefault(r.program_class, []).append(r.queue_s)
         pause = sum(r.queue_s for r in records if isinstance(r, StepRecord))
         pauses = sum(
             1
@@ -175,7 +183,15 @@ async def run_target(
         target=target,
         concurrency=schedule.concurrency,
         kv_tokens=sim_config.resolved_num_gpu_blocks() * sim_config.resolved_block_size(),
-        figures=figures.compute(log, totals, pause_time_s=pause, pauses=pauses, waits=waits),
+        figures=figures.compute(
+            log,
+            totals,
+            pause_time_s=pause,
+            pauses=pauses,
+            waits=waits,
+            classes=classes,
+            class_waits=class_waits,
+        ),
         log=log,
         truth=totals,
         clock="virtual",
