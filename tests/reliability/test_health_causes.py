@@ -48,9 +48,11 @@ async def health(client: httpx.AsyncClient) -> dict[str, Any]:
     return body
 
 
-async def seconds_until(client: httpx.AsyncClient, status: str, since: float) -> float:
-    """Seconds from ``since`` until /health says ``status`` (failing past ``WITHIN_S``)."""
-    with trio.fail_after(WITHIN_S - (trio.current_time() - since)):
+async def seconds_until(
+    client: httpx.AsyncClient, status: str, since: float, within: float = WITHIN_S
+) -> float:
+    """Seconds from ``since`` until /health says ``status`` (failing past ``within``)."""
+    with trio.fail_after(within - (trio.current_time() - since)):
         while (await health(client))["status"] != status:
             await trio.sleep(0.05)
     return trio.current_time() - since
@@ -142,7 +144,9 @@ async def test_a_stopped_explorer(tmp_path: Path, backend: FakeBackend) -> None:
             await trio.sleep(0.05)
         killed_after = trio.current_time() - stopped
         assert "hung" in explorer["last_exit"]
-        to_ok_again = await seconds_until(client, "ok", trio.current_time())
+        # Ok once the next process is up: Python and Datasette's imports, 1 to 3.5 s on a
+        # busy two-core machine; bounded looser than the rest, since that start is the wait.
+        to_ok_again = await seconds_until(client, "ok", trio.current_time(), within=15.0)
         assert (await client.get("/datasette/audit/steps")).status_code == 200
         print(
             f"\nstopped explorer: degraded after {to_degraded:.2f} s, ok {to_ok:.2f} s after "
