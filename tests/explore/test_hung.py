@@ -17,7 +17,14 @@ import trio
 from tests.conftest import running_proxy
 from tests.explore.test_isolation import backend, explorer_status  # noqa: F401 (fixture)
 from tests.fakebackend import FakeBackend
-from thunderproxy.explore.mount import HUNG_CPU_S, HUNG_S, SILENT_S, STUCK_S, Liveness
+from thunderproxy.explore.mount import (
+    HUNG_CPU_S,
+    HUNG_S,
+    SILENT_S,
+    STUCK_S,
+    ExplorerProcess,
+    Liveness,
+)
 
 #: Bounds the checks here keep on a busy machine; the probes' own timing (``SILENT_S``,
 #: ``HUNG_S``) is what a quiet one sees (docs/RELIABILITY.md has the measured times).
@@ -107,3 +114,15 @@ def test_liveness_tells_silent_from_hung_from_busy() -> None:
     assert alive.answered(100.0 + SILENT_S + 2, 6.0) is False
     assert alive.problem(100.0 + SILENT_S + 2) is None
 
+
+def test_a_request_refused_meanwhile_says_why() -> None:
+    explorer = ExplorerProcess("audit.db", "explorer.sock", time_limit_ms=5000)
+    explorer.state = "up"
+    explorer.liveness = Liveness(now=0.0, cpu=0.0)
+    assert explorer.unavailable(20.0) == "has not answered a probe for 20 s"
+    explorer.state, explorer.liveness = "starting", None
+    explorer.hung = "it answered no probe for 6 s and used 0.00 s of CPU: hung"
+    assert explorer.unavailable(30.0) == (
+        "is starting: the last process was killed because it answered no probe for 6 s and "
+        "used 0.00 s of CPU: hung"
+    )

@@ -215,6 +215,16 @@ class ExplorerProcess:
             return f"restarting: the last process was killed because {self.hung}"
         return None
 
+    def unavailable(self, now: float) -> str:
+        """Why a request cannot be relayed at ``now``, to follow "The explorer ..."."""
+        liveness = self.liveness
+        silent = None if liveness is None else liveness.problem(now)
+        if self.state == "up" and silent is not None:
+            return silent
+        if self.hung is not None:
+            return f"is {self.state}: the last process was killed because {self.hung}"
+        return f"is {self.state}"
+
     @property
     def serving(self) -> bool:
         """Up and answering its probes: a request relayed now is answered."""
@@ -509,9 +519,7 @@ class DatasetteMount:
         with trio.move_on_after(REQUEST_WAIT_S):
             await explorer.wait_up()
         if not explorer.serving:
-            problem = explorer.problem(trio.current_time())
-            what = f"is {explorer.state}" if problem is None else problem
-            await self._unavailable(send, 503, what)
+            await self._unavailable(send, 503, explorer.unavailable(trio.current_time()))
             return
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() not in HOP_HEADERS]
         try:
