@@ -368,9 +368,9 @@ class BenchConfig:
 class DemoConfig:
     """``thunderproxy demo``: the programs it replays, the simulator's speed, where it serves."""
 
-    programs: int = 8
-    max_steps: int = 30
-    concurrency: int = 8
+    programs: int = 32
+    max_steps: int = 15
+    concurrency: int = 32
     time_scale: float = 0.04
     host: str = "127.0.0.1"
     port: int = 8300
