@@ -48,7 +48,7 @@ async def _calibrate(config: BenchConfig, path: Path, command: str, echo: Echo) 
             )
             server, model, word_ids = reached.server, reached.model, reached.word_ids
             try:
-                echo("measuring prefill and decode step times (a few minutes)")
+                echo("measuring prefill and decode step times (about 20 minutes on one core)")
                 run = method.Calibration(
                     server, client, model=model, words=vocabulary.words, word_ids=word_ids,
                     budget=sim_config.max_num_batched_tokens, echo=echo,
