@@ -479,6 +479,7 @@ class Gateway:
                 context_chars=call.context_chars,
                 source=call.source,
                 program_class=named_class(call.body, call.headers),
+                client=call.client,
             )
         except ThunderproxyError as exc:
             self._reject(call, exc)

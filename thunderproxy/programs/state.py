@@ -11,7 +11,7 @@ it is REASONING while any is, and becomes ACTING when the last one ends, whateve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..steps import ProgramStatus, StepUsage, Transition
 
@@ -63,6 +63,16 @@ class Program:
     waiting_since: float | None = None
     #: After a forced resume the program may not be paused again before this time.
     protected_until: float = 0.0
+    #: Calls of it held back while others of it are in flight: each would be one more context
+    #: on its backend, and goes out when it fits (scheduling/scheduler.py).
+    held_calls: int = 0
+    #: Held calls let go because they fit, not yet begun: contexts already, as if in flight.
+    granted_calls: int = 0
+    #: When its calls that ended while others of it ran ended: their contexts stay in the
+    #: engine's cache for the program's next calls, which take them over one by one.
+    ended_contexts: list[float] = field(default_factory=list)
+    #: The configured client whose calls it is (``[clients]``); None without clients.
+    client: str | None = None
     #: How its first call was recognised (recognition's Source value); None if not told.
     source: str | None = None
     #: Its latency class (scheduling/classes.py), set by the scheduler from its calls.

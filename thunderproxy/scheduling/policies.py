@@ -34,6 +34,7 @@ class Views:
         bound: Callable[[BackendView], int] | None = None,
         paused: Callable[[], bool] | None = None,
         waiting: Callable[[], int] | None = None,
+        held: Callable[[], bool] | None = None,
     ) -> None:
         self._programs = programs
         self._backends = backends
@@ -41,6 +42,7 @@ class Views:
         self._bound = bound
         self._paused = paused
         self._waiting = waiting
+        self._held = held
 
     def bound(self, backend: BackendView) -> int | None:
         """At least what ``policy.used_tokens`` counts on ``backend`` over any of
@@ -52,6 +54,12 @@ class Views:
         if self._paused is None:
             return any(p.status is ProgramStatus.PAUSED for p in self.programs)
         return self._paused()
+
+    def any_held(self) -> bool:
+        """Whether a call of a running program is held (``policy.on_call``)."""
+        if self._held is None:
+            return any(p.held for p in self.programs)
+        return self._held()
 
     def waiting(self) -> int:
         """How many programs have a request waiting for a resume."""
@@ -90,6 +98,11 @@ class Policy(Protocol):
         """An acting program's next call arrived: ADMIT, or PAUSE until there is room."""
         ...
 
+    def on_call(self, program: ProgramView, views: Views, now: float) -> Decision | None:
+        """A call of a program that already has calls in flight (or held) arrived: ADMIT, or
+        QUEUE it until one more context fits (None: it goes out)."""
+        ...
+
     def rebalance(
         self, views: Views, now: float, *, backends: frozenset[str] | None = None
     ) -> list[Decision]:
@@ -113,6 +126,9 @@ class DefaultPolicy:
         return None
 
     def on_return(self, program: ProgramView, views: Views, now: float) -> Decision | None:
+        return None
+
+    def on_call(self, program: ProgramView, views: Views, now: float) -> Decision | None:
         return None
 
     def rebalance(
@@ -161,15 +177,28 @@ class TrPolicy(DefaultPolicy):
                 return fits
         return policy.on_return(program, backend, views.programs, self.config, now)
 
+    def on_call(self, program: ProgramView, views: Views, now: float) -> Decision | None:
+        if program.backend is None:
+            return None
+        backend = views.backend(program.backend)
+        # Most such calls fit, known from the bound without the programs' views.
+        if policy.call_fits(program, backend, views.bound(backend), views.waiting(), self.config):
+            return None
+        return policy.on_call(program, backend, views.programs, self.config, now)
+
     def rebalance(
         self, views: Views, now: float, *, backends: frozenset[str] | None = None
     ) -> list[Decision]:
-        # Nothing paused and every backend in bounds: enforce would pause and mark nothing
-        # and there is nothing to resume, known without building the programs' views.
-        if not views.any_paused() and all(
-            policy.settled(view, views.bound(view), self.config, now)
-            for view in views.backends
-            if backends is None or view.url in backends
+        # Nothing paused or held and every backend in bounds: enforce would pause and mark
+        # nothing and there is nothing to resume, known without building the programs' views.
+        if (
+            not views.any_paused()
+            and not views.any_held()
+            and all(
+                policy.settled(view, views.bound(view), self.config, now)
+                for view in views.backends
+                if backends is None or view.url in backends
+            )
         ):
             return []
         programs = views.programs
@@ -179,7 +208,7 @@ class TrPolicy(DefaultPolicy):
                 decisions += policy.enforce(view, programs, self.config, now)
         if decisions:
             programs = after(programs, decisions, now)
-        if any(p.status is ProgramStatus.PAUSED for p in programs):
+        if any(p.status is ProgramStatus.PAUSED or p.held for p in programs):
             decisions += policy.resume(views.backends, programs, self.config, now)
         return decisions
 

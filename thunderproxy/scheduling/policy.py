@@ -3,9 +3,9 @@ returns decisions; ``scheduler.py`` applies them. Nothing here reads a clock or 
 
 The model (seed 000, with its known defects fixed; docs/SCHEDULING.md has the full story):
 
-    used(backend) = Σ REASONING (tokens + decode_buffer)            marked programs credited
+    used(backend) = Σ REASONING (tokens + decode_buffer) · calls    marked programs credited
                   + Σ ACTING   tokens · tool_coefficient · 2^(-idle / half_life)
-                  − (active − 1) · shared_prefix_tokens              cross-program prefix credit
+                  − (contexts − 1) · shared_prefix_tokens            cross-context prefix credit
     a program not running yet fits when used ≤ capacity_tokens · capacity_factor · target_fill;
     running programs are moved only when used > capacity_tokens · capacity_factor
 
@@ -14,6 +14,10 @@ and their return the least imminent); if that is not enough, REASONING programs 
 paused when their call ends, the youngest program first. Paused programs whose request waits are
 resumed oldest wait first, on the backend where they fit (migrating if theirs is full); a
 program that has waited ``max_wait_s`` is resumed regardless and protected from re-pausing.
+Each call in flight is a context of its own: a call of a program that already has calls in
+flight goes out only where one more context fits (``on_call``), else it is held until one does.
+Where programs of several clients share a backend, the client holding the most KV there gives
+way first (``client_use``).
 """
 
 from __future__ import annotations
@@ -68,6 +72,15 @@ def remaining_tool(p: ProgramView, now: float) -> float:
     return idle
 
 
+def contexts(p: ProgramView) -> int:
+    """The contexts a REASONING program holds on its backend: one per call in flight. Calls
+    of one program sent at once (sub-agents, a client's threads) each hold a prompt of their
+    own in the engine; counted as one, twelve calls sent under one program id took a cache
+    that held seven programs, and every call on it slowed tenfold. Each is counted at the
+    program's footprint (its largest context known), and shares only the common prefix."""
+    return max(1, p.in_flight)
+
+
 def weight(
     p: ProgramView,
     cfg: PolicyConfig,
@@ -79,11 +92,45 @@ def weight(
     """The program's expected claim on KV tokens right now (an idle program's claim halving
     every ``half_life_s``, by default ``acting_half_life_s``; with a ``horizon_s``
     (``keep_horizon``), whole while its tool is expected to end within it, else nothing)."""
-    if p.status is ProgramStatus.REASONING or (
-        p.status is ProgramStatus.ACTING and p.waiting_since is not None
-    ):
+    if p.status is ProgramStatus.PAUSED:
+        return 0
+    left = sum(ended_claim(p, t, cfg, now, half_life_s, horizon_s) for t in p.ended)
+    if p.status is ProgramStatus.REASONING:
+        return contexts(p) * (p.tokens + cfg.decode_buffer) + left
+    if p.status is ProgramStatus.ACTING and p.waiting_since is not None:
         # An acting program whose request waits was just resumed: its call is about to go out.
-        return p.tokens + cfg.decode_buffer
+        return p.tokens + cfg.decode_buffer + left
+    return left + _idle_weight(p, cfg, now, half_life_s, horizon_s)
+
+
+def ended_claim(
+    p: ProgramView,
+    ended_at: float,
+    cfg: PolicyConfig,
+    now: float,
+    half_life_s: float | None = None,
+    horizon_s: float | None = None,
+) -> int:
+    """The claim of a context one of ``p``'s calls left when it ended while others of it ran,
+    weighed as an idle program's (``weight``): whole within the keep horizon, else decayed.
+    Counted, it keeps the room that call leaves for the program's next call, which comes as
+    the client's answer does; not counted, a held call of the program took it first, and with
+    twelve threads on room for five each call found its context evicted."""
+    idle = max(0.0, now - ended_at)
+    if horizon_s is not None and half_life_s is None:
+        return int(p.tokens * cfg.tool_coefficient) if idle <= horizon_s else 0
+    half_life = cfg.acting_half_life_s if half_life_s is None else half_life_s
+    return int(p.tokens * cfg.tool_coefficient * decay(idle, half_life))
+
+
+def _idle_weight(
+    p: ProgramView,
+    cfg: PolicyConfig,
+    now: float,
+    half_life_s: float | None,
+    horizon_s: float | None,
+) -> int:
+    """An acting program's claim while its tool runs (``weight``)."""
     if p.status is ProgramStatus.ACTING and horizon_s is not None and half_life_s is None:
         if remaining_tool(p, now) > horizon_s:
             return 0
@@ -122,8 +169,9 @@ def used_tokens(
     half_life_s: float | None = None,
 ) -> int:
     """Projected KV use of a backend; marked programs are credited (they leave at their next
-    step end), and every program with a claim past the first shares the common prefix (an idle
-    program whose claim has decayed to nothing holds no prefix either)."""
+    step end), and every context with a claim past the first (a call in flight, an idle
+    program's cache) shares the common prefix (an idle program whose claim has decayed to
+    nothing holds no prefix either)."""
     total = 0
     active = 0
     horizon = keep_horizon(b, cfg)
@@ -131,7 +179,10 @@ def used_tokens(
         if p.backend != b.url or p.marked:
             continue
         w = weight(p, cfg, now, half_life_s, horizon_s=horizon)
-        if p.status is ProgramStatus.REASONING or (p.status is ProgramStatus.ACTING and w > 0):
+        if p.status is ProgramStatus.REASONING:
+            active += contexts(p)
+            total += w
+        elif p.status is ProgramStatus.ACTING and w > 0:
             active += 1
             total += w
     return max(0, total - max(0, active - 1) * b.shared_prefix_tokens)
@@ -185,10 +236,29 @@ def urgent(p: ProgramView, cfg: PolicyConfig, now: float) -> bool:
     return interactive(p) or now - p.waiting_since >= cfg.max_wait_s / 2
 
 
-def rank(p: ProgramView, cfg: PolicyConfig, now: float) -> tuple[bool, float]:
+def rank(p: ProgramView, cfg: PolicyConfig, now: float, use: int = 0) -> tuple[bool, int, float]:
     """Resume order, first first: interactive programs' calls before batch ones (a person
-    waits on them), then by ``priority``."""
-    return (not interactive(p), -priority(p, cfg, now))
+    waits on them), then those of the client holding the least KV on the backend (``use``,
+    from ``client_use``; the same for all without clients), then by ``priority``."""
+    return (not interactive(p), use, -priority(p, cfg, now))
+
+
+def client_use(
+    b: BackendView, programs: Iterable[ProgramView], cfg: PolicyConfig, now: float
+) -> dict[str | None, int]:
+    """The KV tokens each client's programs claim on ``b``, as ``used_tokens`` weighs them
+    (prefix credit aside). Where programs of several clients share a backend, the one holding
+    the most gives way first: its programs are paused and marked first, and the others' calls
+    are resumed first. Without it, which programs tr paused when a client's twelve programs
+    and another's one overflowed the cache was the order they came in: the lone program ran
+    for 15 s in one run and was held for all of it in the next. Without clients every program
+    is None's, and nothing is reordered."""
+    horizon = keep_horizon(b, cfg)
+    use: dict[str | None, int] = {}
+    for p in programs:
+        if p.backend == b.url and not p.marked:
+            use[p.client] = use.get(p.client, 0) + weight(p, cfg, now, horizon_s=horizon)
+    return use
 
 
 def credit(p: ProgramView, cfg: PolicyConfig) -> float:
@@ -220,7 +290,10 @@ def due(
         for p in programs
         if p.status is ProgramStatus.PAUSED and p.backend == b.url and urgent(p, cfg, now)
     ]
-    return min(heads, key=lambda p: rank(p, cfg, now)) if heads else None
+    if not heads:
+        return None
+    use = client_use(b, programs, cfg, now)
+    return min(heads, key=lambda p: rank(p, cfg, now, use.get(p.client, 0)))
 
 
 def tool_estimate(p: ProgramView, now: float) -> float:
@@ -380,7 +453,36 @@ def on_return(
         return _decision(Action.ADMIT, p, "protected", b, cfg, now, used, cap=cap)
     if used + need(p, b, used, cfg) <= cap:
         return _decision(Action.ADMIT, p, "fits", b, cfg, now, used, cap=cap)
+    if within_share(p, b, programs, cfg, now, cap):
+        # The overflow is another client's doing: its programs give way (enforce).
+        return _decision(Action.ADMIT, p, "fair_share", b, cfg, now, used, cap=cap)
     return _decision(Action.PAUSE, p, "no_room_on_return", b, cfg, now, used, cap=cap)
+
+
+def within_share(
+    p: ProgramView,
+    b: BackendView,
+    programs: Iterable[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+    cap: int,
+) -> bool:
+    """Whether ``p``'s client, ``p``'s next call included, claims at most an equal share of
+    ``cap`` among the clients with programs on ``b`` (False without clients, or with one).
+    Such a call is not held for the overflow: the clients past their share give way. Held,
+    a client's one program waited whenever another client's twelve came back before it."""
+    if p.client is None:
+        return False
+    use = client_use(b, programs, cfg, now)
+    clients = {c for c, tokens in use.items() if tokens > 0} | {p.client}
+    if len(clients) < 2:
+        return False
+    mine = sum(
+        weight(q, cfg, now, horizon_s=keep_horizon(b, cfg))
+        for q in programs
+        if q.client == p.client and q.backend == b.url and q.program_id != p.program_id
+    )
+    return mine + p.tokens + cfg.decode_buffer <= cap / len(clients)
 
 
 def enforce(
@@ -421,16 +523,18 @@ def enforce(
     decisions: list[Decision] = []
     movable = [p for p in mine if not p.marked and p.protected_until <= now]
     # Batch programs go first: an interactive program's next call is a person waiting. Then
-    # the program whose tool is expected to run the longest: its cache is the coldest, its
-    # return the least imminent, and its pause the most likely to end before it wanted to call
-    # again (a pause that costs nothing).
+    # those of the client holding the most KV here (client_use), then the program whose tool
+    # is expected to run the longest: its cache is the coldest, its return the least imminent,
+    # and its pause the most likely to end before it wanted to call again (a pause that costs
+    # nothing).
+    use = client_use(b, mine, cfg, now)
     acting = sorted(
         (
             p
             for p in movable
             if p.status is ProgramStatus.ACTING and p.in_flight == 0 and p.waiting_since is None
         ),
-        key=lambda p: (interactive(p), -tool_estimate(p, now), -p.tokens),
+        key=lambda p: (interactive(p), -use.get(p.client, 0), -tool_estimate(p, now), -p.tokens),
     )
     horizon = keep_horizon(b, cfg)
     for p in acting:
@@ -457,7 +561,7 @@ def enforce(
     reasoning_used = used_tokens(b, busy, cfg, now)
     reasoning = sorted(
         (p for p in movable if p.status is ProgramStatus.REASONING),
-        key=lambda p: (interactive(p), -p.created_at),
+        key=lambda p: (interactive(p), -use.get(p.client, 0), -p.created_at),
     )
     for p in reasoning:
         if reasoning_used <= cap:
@@ -542,9 +646,20 @@ def resume(
         if b.last_resume_at is None or now - b.last_resume_at >= resume_cooldown(b, cfg)
     }
     paused = [p for p in programs if p.status is ProgramStatus.PAUSED]
+    uses: dict[str, dict[str | None, int]] = {}
+    if any(p.client is not None for p in programs):
+        uses = {b.url: client_use(b, programs, cfg, now) for b in healthy}
+
+    def use(p: ProgramView) -> int:
+        return uses.get(p.backend or "", {}).get(p.client, 0)
+
     waiting = sorted(
         (p for p in paused if p.waiting_since is not None),
-        key=lambda p: (*rank(p, cfg, now), p.waiting_since or 0.0),
+        key=lambda p: (*rank(p, cfg, now, use(p)), p.waiting_since or 0.0),
+    )
+    held = sorted(
+        (p for p in programs if p.held and not p.marked and p.status is not ProgramStatus.PAUSED),
+        key=lambda p: (*rank(p, cfg, now, use(p)), p.waiting_since or 0.0),
     )
     idle = sorted(
         (p for p in paused if p.waiting_since is None),
@@ -562,7 +677,12 @@ def resume(
     }
     decisions: list[Decision] = []
     blocked = False
-    for position, p in enumerate([*waiting, *idle]):
+    #: Backends where a paused program's call waits unplaced: no held call passes it there.
+    stalled: set[str] = set()
+    for position, p in enumerate([*waiting, *held, *idle]):
+        if p.status is not ProgramStatus.PAUSED:
+            decisions += _release_held(p, healthy, stalled, used_by, cfg, now)
+            continue
         waited = now - (p.waiting_since if p.waiting_since is not None else p.paused_since or now)
         group = healthy if p.eligible is None else [b for b in healthy if b.url in p.eligible]
         if not group:
@@ -643,9 +763,103 @@ def resume(
             admit_by[b.url] += p.tokens + cfg.decode_buffer
             placed = True
             break
+        if not placed and p.waiting_since is not None:
+            stalled.add(p.backend or "")
         if not placed and pressing:
             blocked = True  # aging: the head reserves the next free capacity
     return decisions
+
+
+def _release_held(
+    p: ProgramView,
+    healthy: Sequence[BackendView],
+    stalled: set[str],
+    used_by: dict[str, int],
+    cfg: PolicyConfig,
+    now: float,
+) -> list[Decision]:
+    """``resume``'s part for a running program's held calls (``on_call``): as many as fit on
+    its backend go out, each one more context, unless a paused program's call waits there
+    unplaced (held calls do not pass it). An acting program (its other calls ended meanwhile)
+    already counts its next call in ``used_by``."""
+    b = next((b for b in healthy if b.url == p.backend), None)
+    if b is None or b.url in stalled:
+        return []
+    decisions = []
+    acting = p.status is ProgramStatus.ACTING
+    used = used_by[b.url] - (p.tokens + cfg.decode_buffer if acting else 0)
+    for _ in range(p.held):
+        if not _fits(p, b, used, cfg):
+            break
+        decisions.append(_decision(Action.ADMIT, p, "room_for_call", b, cfg, now, used))
+        used += p.tokens + cfg.decode_buffer
+    used_by[b.url] = max(used_by[b.url], used)
+    return decisions
+
+
+def on_call(
+    p: ProgramView,
+    b: BackendView,
+    programs: Sequence[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+) -> Decision:
+    """A call of ``p`` while calls of it are in flight (or held): it adds a context of its own
+    on ``b`` (``contexts``), so it goes out only where one more fits under the limit for new
+    claims (``target_fill``), and never before a paused program's call waiting on ``b``, nor
+    while ``p`` is marked; otherwise it is held (``QUEUE``, ``no_room_for_call``) until
+    ``resume`` finds it room (``ADMIT``, ``room_for_call``) or it reaches its class's bound.
+    Let through unchecked, one program's calls sent at once filled the cache alone.
+
+    A new call may pass the program's held ones, and held ones go newest first: a call that
+    comes as another of the program's calls ends mostly continues the context that call left
+    in the cache, where the calls held longest have had theirs evicted. Let go oldest first,
+    twelve threads of one program took turns on a cache that held five of their contexts, and
+    every call recomputed its whole prompt (none of 80 calls found a cached token, against
+    5,800 of 6,011 for each of five programs tr kept running whole). Like paused programs,
+    the calls held longest wait up to their bound."""
+    cap = limit(b, cfg)
+    if cap is None:
+        return _decision(Action.ADMIT, p, "capacity_unknown", b, cfg, now, None)
+    if not b.hold:
+        return _decision(
+            Action.ADMIT, p, b.unheld_rule, b, cfg, now, None, detail=dict(b.hold_inputs)
+        )
+    if p.protected_until > now:
+        return _decision(Action.ADMIT, p, "protected", b, cfg, now, None)
+    used = used_tokens(b, programs, cfg, now)
+    waiting = [
+        q
+        for q in programs
+        if q.status is ProgramStatus.PAUSED and q.waiting_since is not None and q.backend == b.url
+    ]
+    if p.marked:
+        # Marked, it is credited as gone (``used_tokens``): it is, once its calls in flight
+        # end, and its new ones wait for its resume instead of keeping it running for ever.
+        return _decision(Action.QUEUE, p, "marked", b, cfg, now, used, queue_position=p.held)
+    if waiting:
+        return _decision(
+            Action.QUEUE, p, "no_room_for_call", b, cfg, now, used, queue_position=len(waiting)
+        )
+    if p.ended:
+        # It takes over the context its program's last ended call left (ended_claim).
+        used -= ended_claim(p, max(p.ended), cfg, now, horizon_s=keep_horizon(b, cfg))
+    if used + need(p, b, used, cfg) <= cap:
+        return _decision(Action.ADMIT, p, "fits", b, cfg, now, used)
+    return _decision(Action.QUEUE, p, "no_room_for_call", b, cfg, now, used, queue_position=0)
+
+
+def call_fits(
+    p: ProgramView, b: BackendView, bound: int | None, waiting: int, cfg: PolicyConfig
+) -> bool:
+    """Whether ``on_call`` lets ``p``'s call through, known without the sum: nobody waits
+    (``waiting``: programs with a request waiting, held calls included), and ``bound`` (at
+    least what ``used_tokens`` counts on ``b``, ``p``'s calls in flight included) leaves room
+    for one more context."""
+    cap = limit(b, cfg)
+    if cap is None or not b.hold or waiting or bound is None or p.marked:
+        return False
+    return bound + max(0, p.tokens + cfg.decode_buffer) <= cap
 
 
 def force_resume(

@@ -26,7 +26,7 @@ from .classes import INTERACTIVE, resolve
 from .costs import horizon_s
 from .learners import PromptSizer, program_estimate
 from .policies import Policy, Views
-from .policy import Action, Decision, PolicyConfig, ProgramView, used_tokens
+from .policy import MAX_KEEP_S, Action, Decision, PolicyConfig, ProgramView, used_tokens
 from .policy import force_resume as policy_force_resume
 from .views import BackendSchedule, ViewSource
 from .waiters import Waiters
@@ -110,6 +110,8 @@ class Scheduler:
         #: Per backend, the growth of returning calls whose claims are being checked.
         self._pending: dict[str, int] = {}
         self._waiters = Waiters()
+        #: Calls held while other calls of their program are in flight (policy.on_call).
+        self._held = Waiters()
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
         #: Prompt sizes learned per model; they size newcomers.
@@ -180,10 +182,12 @@ class Scheduler:
         context_chars: int,
         source: str | None = None,
         program_class: str | None = None,
+        client: str | None = None,
     ) -> StepLease:
         """Wait until ``program_id``'s call may go out, then lease it a backend of ``route``.
         ``source`` (how the program was recognised) is recorded if this call creates it;
-        ``program_class`` is the class the call names, if any (classes.py resolves it)."""
+        ``program_class`` is the class the call names, if any (classes.py resolves it);
+        ``client`` the configured client that sent it (None without ``[clients]``)."""
         program = self.registry.find(program_id)
         known = None
         if program is None and self.affinity is not None:
@@ -201,14 +205,17 @@ class Scheduler:
         )
         if program is None:
             program = self._admit(
-                program_id, route, arrived_at, context_chars, source, known, klass
+                program_id, route, arrived_at, context_chars, source, known, klass, client
             )
         else:
             program.program_class = klass
+            if program.client is None:
+                program.client = client
             returned = self._observe_return(program, arrived_at)
             gate = self._gate_return(program, arrived_at, context_chars)
         # Where the engine was already full when the call came, and until it goes out.
         entered_on, full_s_before = program.backend, self._saturated_s(program.backend)
+        held = False  # whether it was held as one more context (on_call)
         while True:
             # A loop, not an if: between its resume and this task running again, a program
             # could be paused anew by another task's rebalance (the policy avoids it, this
@@ -229,9 +236,17 @@ class Scheduler:
                 continue  # refused: it waits, as on a full backend
             # (Read again: another task's rebalance may have paused it while its claim was
             # checked, and then it waits too.)
-            if program.status not in (ProgramStatus.PAUSED,):
-                break
-        self.registry.set_waiting(program, None)
+            if program.status in (ProgramStatus.PAUSED,):
+                continue
+            # Another call of it in flight (or held): this one is one more context.
+            if program.in_flight or program.held_calls:
+                went = await self._hold(program, arrived_at, context_chars)
+                if went is None:
+                    continue
+                held = held or went
+            break
+        if not program.held_calls:
+            self.registry.set_waiting(program, None)
         node = self.place(program, route)
         if self.affinity is not None:
             self.affinity.placed(program_id, node.url)
@@ -241,6 +256,9 @@ class Scheduler:
         reuse = program.total_tokens if program.step_count and returned else 0
         busy = node.in_flight + self._held_on(node.url)
         holding = self.source.holding(self.schedule_of(node.url))[0]
+        if program.in_flight and program.ended_contexts and not held:
+            # Come as soon as it could, it continues the context a call of it just left.
+            program.ended_contexts.pop()
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
         node.in_flight += 1
         step = program.step_count
@@ -350,10 +368,83 @@ class Scheduler:
         self.registry.set_waiting(program, program.waiting_since or arrived_at)
         return False
 
+    async def _hold(self, program: Program, arrived_at: float, context_chars: int) -> bool | None:
+        """A call of a program with calls in flight (or held): False where it may go out now;
+        else it is held until the policy finds one more context room (``room_for_call``) or
+        its class's bound passes (then it goes regardless: True), and None where the program
+        was paused meanwhile (the caller waits for its resume)."""
+        now = self._now()
+        view = replace(
+            self.source.program_view(program),
+            tokens=max(program.total_tokens, self._call_tokens(program, context_chars)),
+        )
+        decision = self.policy.on_call(view, self.views(), now)
+        if decision is None or decision.action is not Action.QUEUE:
+            return False
+        self._log(decision, now)
+        program_id = program.program_id
+        waiter = self._held.add(program_id)
+        program.held_calls += 1
+        self.source.held.add(program_id)
+        if program.waiting_since is None:
+            self.registry.set_waiting(program, arrived_at)
+        bound = self.config.max_wait_s
+        if program.program_class == INTERACTIVE:
+            bound = self.config.interactive_max_wait_s
+        try:
+            with trio.move_on_at(arrived_at + bound):
+                await waiter.wait()
+            if not waiter.woken:
+                self._log(
+                    Decision(
+                        Action.FORCE_RESUME,
+                        program_id,
+                        "max_wait",
+                        program.backend,
+                        waited_s=self._now() - arrived_at,
+                        program_tokens=program.total_tokens,
+                        detail={"held_call": True},
+                    )
+                )
+            # Let go because it fits, or at its bound: it goes. Woken by its program's resume
+            # (it had been paused meanwhile): it looks again, as one call among its others.
+            return True if waiter.granted or not waiter.woken else None
+        except BaseException:
+            if not waiter.woken:
+                self._log(
+                    Decision(
+                        Action.CANCEL,
+                        program_id,
+                        "client_disconnected",
+                        program.backend,
+                        waited_s=self._now() - arrived_at,
+                        program_tokens=program.total_tokens,
+                    )
+                )
+            raise
+        finally:
+            if waiter.granted:
+                program.granted_calls -= 1  # it begins at once: in flight from now
+            elif not waiter.woken:
+                self._held.drop(program_id, waiter)
+                self._unhold(program, 1)
+            if (
+                not program.held_calls
+                and not self._waiters.has(program_id)
+                and program.status is not ProgramStatus.PAUSED
+            ):
+                self.registry.set_waiting(program, None)
+
+    def _unhold(self, program: Program, calls: int) -> None:
+        """``calls`` of the program's held calls are no longer held (woken or gone)."""
+        program.held_calls -= calls
+        if not program.held_calls:
+            self.source.held.discard(program.program_id)
+
     def _held_on(self, url: str) -> int:
         """Calls held back for a backend now: without holding they would be in flight there."""
         held = 0
-        for program_id in self._waiters.programs():
+        for program_id in {*self._waiters.programs(), *self._held.programs()}:
             program = self.registry.find(program_id)
             held += program is not None and program.backend == url
         return held
@@ -373,7 +464,7 @@ class Scheduler:
     ) -> Decision | None:
         """Pause a returning program now if the policy sees its call overflow its backend;
         the policy's decision (None: not gated)."""
-        if program.status is not ProgramStatus.ACTING or program.in_flight:
+        if program.status is not ProgramStatus.ACTING or program.in_flight or program.held_calls:
             return None
         node = self.pool.get(program.backend)
         if node is None or not node.healthy:
@@ -409,6 +500,7 @@ class Scheduler:
         source: str | None = None,
         known: str | None = None,
         program_class: str | None = None,
+        client: str | None = None,
     ) -> Program:
         """A program's first call: admitted as REASONING, or queued (PAUSED) by the policy;
         placed on ``known`` (where another instance ran it) while that backend is healthy."""
@@ -424,6 +516,7 @@ class Scheduler:
             created_at=now,
             eligible=self.source.eligible(route.requested),
             program_class=klass,
+            client=client,
         )
         decision = self.policy.admit(candidate, self.views(), now)
         if decision is not None and decision.action is Action.QUEUE:
@@ -452,6 +545,7 @@ class Scheduler:
             program, _ = self.registry.get_or_create(program_id, created, source=source)
         program.model = route.requested
         program.program_class = klass
+        program.client = client
         self.registry.assign(program, node.url)
         if decision is not None:
             self.registry.set_tokens(program, estimate)
@@ -555,6 +649,11 @@ class Scheduler:
         tracked = program.program_id in self.registry
         if tracked:
             self.registry.end_step(program, now, usage, reason=reason)
+            if program.in_flight or program.held_calls:
+                # Its context stays cached for the program's next call (policy.weight).
+                ended = program.ended_contexts
+                ended[:] = [t for t in ended if now - t <= MAX_KEEP_S]
+                ended.append(now)
         if usage.prompt_tokens:
             self._sizers[program.model] = self._sizer(program.model).observe(
                 lease.context_chars, usage.prompt_tokens
@@ -589,14 +688,14 @@ class Scheduler:
         if found is not None:
             self._observe_gone(found)
         program = self.registry.release(program_id, self._now())
-        self._waiters.wake(
-            program_id,
-            ProgramReleased(
-                f"Program {program_id!r} was released while this request waited for capacity; "
-                "the request was not sent. Send it again to start a new program.",
-                program_id=program_id,
-            ),
+        released = ProgramReleased(
+            f"Program {program_id!r} was released while this request waited for capacity; "
+            "the request was not sent. Send it again to start a new program.",
+            program_id=program_id,
         )
+        if found is not None:
+            self._unhold(found, self._held.wake(program_id, released))
+        self._waiters.wake(program_id, released)
         self.rebalance(self._now())
         return program
 
@@ -654,6 +753,12 @@ class Scheduler:
                 self.schedule_of(decision.target_backend or "").last_resume_at = now
             self._resume_times.append(now)
             self._waiters.wake(program.program_id)
+            # Its held calls, if it was paused with any: they look again.
+            self._unhold(program, self._held.wake(program.program_id))
+        elif action is Action.ADMIT and self._held.wake_one(program.program_id):
+            # A held call that fits now: one more context from here on.
+            self._unhold(program, 1)
+            program.granted_calls += 1
         elif action is Action.RETIRE:
             self._observe_gone(program)
             self.registry.release(program.program_id, now, reason="retired: idle lease expired")

@@ -52,6 +52,14 @@ class ProgramView:
     #: Its latency class (classes.py): an interactive program's calls wait at most
     #: ``interactive_max_wait_s``, and room is made for them from batch programs first.
     program_class: str = BATCH
+    #: The configured client whose program it is (None without ``[clients]``): where programs
+    #: of several clients share a backend, tr pauses the client holding the most KV first.
+    client: str | None = None
+    #: Calls of it held back because another context of it would not fit (none go out before
+    #: the program's earlier held ones).
+    held: int = 0
+    #: When its calls that ended while others of it ran ended (their contexts still cached).
+    ended: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ class ViewSource:
         self._eligible: dict[str | None, frozenset[str] | None] = {}
         #: ProgramViews built so far: what a call costs grows with them (tests bound it).
         self.programs_viewed = 0
+        #: Programs a call of which is held until one more context fits (policy.on_call).
+        self.held: set[str] = set()
 
     def refresh(self) -> None:
         self._eligible.clear()
@@ -162,16 +164,17 @@ class ViewSource:
         waiting requests, not the programs tracked.
 
         ``used_tokens`` sums each counted program's ``weight`` and takes the shared prefix
-        off for every counted program past the first. Here: a REASONING program, or an
+        off for every counted context past the first. Here: a REASONING program (each of its
+        calls in flight a context of its own, ``policy.contexts``), or an
         ACTING one whose request waits, weighs its tokens and the decode buffer, as there; an
         ACTING program weighs at most its tokens times the tool coefficient (its claim only
         decays, or is whole or nothing with a keep horizon), summed over the backend's
         acting programs in one product (the index keeps their tokens' sum), plus one token
         for the product's rounding against the per-program ones; PAUSED programs weigh
-        nothing. The prefix is taken off only for the REASONING programs not marked, which
-        every such sum counts. Terms that could be negative are left out, so the bound holds
-        over any subset of the programs that keeps those REASONING ones: ``on_return``'s,
-        which leaves out the returning (ACTING) program."""
+        nothing. The prefix is taken off only for the calls of the REASONING programs not
+        marked, which every such sum counts. Terms that could be negative are left out, so the
+        bound holds over any subset of the programs that keeps those REASONING ones:
+        ``on_return``'s, which leaves out the returning (ACTING) program."""
         cfg = self.config
         buffer = cfg.decode_buffer
         index = self.registry.backend_index(b.url)
@@ -181,8 +184,12 @@ class ViewSource:
         reasoning = 0
         for p in index.reasoning.values():
             if not p.marked_for_pause:
-                total += max(0, p.total_tokens + buffer)
-                reasoning += 1
+                calls = max(1, p.in_flight + p.granted_calls)
+                total += calls * max(0, p.total_tokens + buffer)
+                reasoning += calls
+                # The contexts its ended calls left weigh at most an idle program's claim.
+                coefficient = max(0.0, cfg.tool_coefficient)
+                total += math.ceil(coefficient * p.total_tokens * len(p.ended_contexts))
         total += math.ceil(max(0.0, cfg.tool_coefficient) * index.acting_tokens) + 1
         for p in self.registry.waiting():
             if p.status is ProgramStatus.ACTING and p.backend == b.url and not p.marked_for_pause:
@@ -206,12 +213,15 @@ class ViewSource:
             marked=p.marked_for_pause,
             protected_until=p.protected_until,
             last_activity=p.last_activity,
-            in_flight=p.in_flight,
+            in_flight=p.in_flight + p.granted_calls,
             eligible=self.eligible(p.model),
             steps=p.step_count,
             tool_s=p.last_tool_s,
             waited_total_s=self._waited.get(p.program_id, 0.0),
             program_class=p.program_class or self.config.default_program_class,
+            client=p.client,
+            held=p.held_calls,
+            ended=tuple(p.ended_contexts),
         )
 
     def views(self, now: float) -> Views:
@@ -242,6 +252,7 @@ class ViewSource:
             bound=self.used_bound,
             paused=self.paused,
             waiting=self.registry.waiting_count,
+            held=lambda: bool(self.held),
         )
 
     def choose(self, program_id: str, current: str | None, route: Route) -> BackendNode:

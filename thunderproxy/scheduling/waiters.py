@@ -9,6 +9,8 @@ class Waiter:
     def __init__(self) -> None:
         self._event = trio.Event()
         self.error: Exception | None = None
+        #: Woken because its call fits now (a held call's release), not to look again.
+        self.granted = False
 
     @property
     def woken(self) -> bool:
@@ -44,10 +46,33 @@ class Waiters:
         self._by_program.pop(program_id, None)
         return True
 
+    def has(self, program_id: str) -> bool:
+        return program_id in self._by_program
+
+    def __bool__(self) -> bool:
+        return bool(self._by_program)
+
+    def wake_one(self, program_id: str) -> bool:
+        """Wake the program's newest request as ``granted`` (a held call that fits now: the
+        newest is the likeliest to find its context still cached, policy.on_call); False where
+        none waits."""
+        waiters = self._by_program.get(program_id)
+        if not waiters:
+            return False
+        waiter = waiters.pop()
+        waiter.granted = True
+        waiter.wake(None)
+        if not waiters:
+            del self._by_program[program_id]
+        return True
+
     def programs(self) -> list[str]:
         """The programs a request of which waits now."""
         return list(self._by_program)
 
-    def wake(self, program_id: str, error: Exception | None = None) -> None:
-        for waiter in self._by_program.pop(program_id, []):
+    def wake(self, program_id: str, error: Exception | None = None) -> int:
+        """Wake every request of the program (with ``error``, if any); how many there were."""
+        waiters = self._by_program.pop(program_id, [])
+        for waiter in waiters:
             waiter.wake(error)
+        return len(waiters)
