@@ -169,10 +169,10 @@ async def test_a_waiting_caller_that_leaves_is_out_of_the_queue_at_once(
         await trio.sleep(0.1)
         nursery.start_soon(wait, "stayer", trio.CancelScope())
         await trio.sleep(0.1)
-        assert [w.program_id for w in adm.queues[(BIG, "default")]] == ["leaver", "stayer"]
+        assert [w.program_id for w in adm.queues[(BIG, "default", None)]] == ["leaver", "stayer"]
         leaver.cancel()
         await trio.sleep(0.1)
-        assert [w.program_id for w in adm.queues[(BIG, "default")]] == ["stayer"]
+        assert [w.program_id for w in adm.queues[(BIG, "default", None)]] == ["stayer"]
         adm.done(holder, None, 200, trio.current_time())
     assert admitted == ["stayer"]
 

@@ -89,6 +89,9 @@ class Verdict:
     retry_at: float | None = None
     #: The call can never fit: it alone needs more than the whole capacity.
     never: bool = False
+    #: Whose limit held it: ``model`` (the model's, split among classes), ``backend`` or
+    #: ``client`` (limits of their own, for every model and class together).
+    scope: str = "model"
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ class Reservation:
     day: int
     #: The backend it was also counted on (one with limits of its own), else None.
     backend: str | None = None
+    #: The client it was also counted on (one with limits of its own), else None.
+    client: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,8 @@ class Limiter:
         self._backends: dict[str, ClassUsage] = {}
         #: A backend's URL and name both find its limits.
         self._backend_limits = dict(spec.backends)
+        #: Per client with limits of its own: its use of every model and class together.
+        self._clients: dict[str, ClassUsage] = {}
 
     def set_share(self, share: float) -> None:
         self.share = share
@@ -146,13 +153,35 @@ class Limiter:
             self._backends[backend] = ClassUsage()
         return self._backends[backend]
 
+    def client_limits(self, client: str | None) -> ModelLimits | None:
+        return None if client is None else self.spec.clients.get(client)
+
+    def client_usage(self, client: str) -> ClassUsage:
+        if client not in self._clients:
+            self._clients[client] = ClassUsage()
+        return self._clients[client]
+
     def check_backend(self, backend: str | None, tokens: int, now: float) -> Verdict:
         """Whether a call needing ``tokens`` fits ``backend``'s own limits (this instance's
         share of them) now; a backend without limits always fits."""
         limits = self.backend_limits(backend)
         if backend is None or limits is None:
             return Verdict(True)
-        usage = self.backend_usage(backend)
+        return self._check_own(limits, self.backend_usage(backend), tokens, now, "backend")
+
+    def check_client(self, client: str | None, tokens: int, now: float) -> Verdict:
+        """Whether a call needing ``tokens`` fits its ``client``'s own limits (this instance's
+        share of them) now, for every model and class together; a client without limits (or
+        no client) always fits."""
+        limits = self.client_limits(client)
+        if client is None or limits is None:
+            return Verdict(True)
+        return self._check_own(limits, self.client_usage(client), tokens, now, "client")
+
+    def _check_own(
+        self, limits: ModelLimits, usage: ClassUsage, tokens: int, now: float, scope: str
+    ) -> Verdict:
+        """Limits not split among classes (a backend's, a client's) against their one usage."""
         for dimension in DIMENSIONS:
             limit = getattr(limits, dimension)
             if limit is None:
@@ -163,7 +192,8 @@ class Limiter:
             used = usage.used(dimension, now)
             if used + need > capacity:
                 retry_at = None if size is None else window_end(now, size)
-                return Verdict(False, dimension, capacity, used, need, retry_at, need > capacity)
+                never = need > capacity
+                return Verdict(False, dimension, capacity, used, need, retry_at, never, scope)
         return Verdict(True)
 
     def usage(self, model: str, klass: str) -> ClassUsage:
@@ -229,14 +259,23 @@ class Limiter:
         return Verdict(True, dimension, allowed, used[klass.name], need)
 
     def reserve(
-        self, model: str, klass: str, tokens: int, now: float, backend: str | None = None
+        self,
+        model: str,
+        klass: str,
+        tokens: int,
+        now: float,
+        backend: str | None = None,
+        client: str | None = None,
     ) -> Reservation:
         """Count an admitted call: one request and its estimated tokens, one running call; on
-        ``backend`` too when it has limits of its own."""
+        ``backend`` and on ``client`` too when they have limits of their own."""
         counted = None if self.backend_limits(backend) is None else backend
+        by = None if self.client_limits(client) is None else client
         usages = [self.usage(model, klass)]
         if counted is not None:
             usages.append(self.backend_usage(counted))
+        if by is not None:
+            usages.append(self.client_usage(by))
         for usage in usages:
             minute, day = usage.minute.at(now), usage.day.at(now)
             minute.requests += 1
@@ -244,12 +283,14 @@ class Limiter:
             day.requests += 1
             day.tokens += tokens
             usage.concurrent += 1
-        return Reservation(model, klass, tokens, minute.index, day.index, counted)
+        return Reservation(model, klass, tokens, minute.index, day.index, counted, by)
 
     def _usages(self, reservation: Reservation) -> list[ClassUsage]:
         usages = [self.usage(reservation.model, reservation.klass)]
         if reservation.backend is not None:
             usages.append(self.backend_usage(reservation.backend))
+        if reservation.client is not None:
+            usages.append(self.client_usage(reservation.client))
         return usages
 
     def cancel(self, reservation: Reservation, now: float) -> None:

@@ -106,7 +106,9 @@ class AdmissionService:
         #: The backend the scheduler will give a program's call of a model (its current one
         #: while healthy, else the least loaded), for backends with limits of their own.
         self.place = place
-        self.queues: dict[tuple[str, str], deque[Waiter]] = {}
+        #: Waiting calls by (model, class, client): the client only for a client with limits of
+        #: its own, whose calls wait apart so that a client over its limit holds up no other's.
+        self.queues: dict[tuple[str, str, str | None], deque[Waiter]] = {}
         #: program -> index in its model's chain it was admitted on (kept while it runs).
         self.pinned: OrderedDict[str, int] = OrderedDict()
         self.sizers: dict[str, PromptSizer] = {}
@@ -124,6 +126,7 @@ class AdmissionService:
         chain = self._chain(call.model)
         index = self.pinned.get(call.program_id, 0)
         returning = call.program_id in self.pinned
+        client = call.client
         while True:
             served = chain[index] if chain else None
             if served is not None and index + 1 < len(chain) and not self._healthy(served):
@@ -132,14 +135,14 @@ class AdmissionService:
             tokens = self._estimate(served, call)
             reservation = None
             refusal = Verdict(False)
-            if served is not None and self._limited(served):
+            if served is not None and self._limited(served, client):
                 outcome = await self._wait(call, served, klass, tokens, returning, now)
                 now = trio.current_time()
                 if isinstance(outcome, Verdict):
                     refusal = outcome
                 else:
                     reservation = outcome
-            if reservation is not None or served is None or not self._limited(served):
+            if reservation is not None or served is None or not self._limited(served, client):
                 self._pin(call.program_id, index)
                 return Ticket(
                     served=None if served == call.model else served,
@@ -148,7 +151,8 @@ class AdmissionService:
                     reservation=reservation,
                     context_chars=call.context_chars,
                 )
-            if index + 1 < len(chain):
+            if index + 1 < len(chain) and refusal.scope != "client":
+                # A client's own limit counts every model: another link would not help.
                 index = self._fall_back(call, klass, chain, index, "wait budget spent", now)
                 continue
             raise self._refuse(call, served, klass, tokens, refusal, now)
@@ -173,6 +177,9 @@ class AdmissionService:
             if reservation.backend is not None:
                 on_backend = replace(reservation, model=backend_key(reservation.backend))
                 self.shared.settle(on_backend, delta, now + self.offset)
+            if reservation.client is not None:
+                by_client = replace(reservation, model=client_key(reservation.client))
+                self.shared.settle(by_client, delta, now + self.offset)
         for action, amount in (("refund", settlement.refund), ("overage", settlement.overage)):
             if amount:
                 self._decide(
@@ -184,8 +191,9 @@ class AdmissionService:
                     klass=reservation.klass,
                     reserved=reservation.tokens,
                     extra={"reported_tokens": tokens, "tokens": amount, "status": status},
+                    client=reservation.client,
                 )
-        self._wake(reservation.model)
+        self._wake(reservation.model, reservation.client)
 
     # -- the queue ------------------------------------------------------------------------------
 
@@ -193,10 +201,14 @@ class AdmissionService:
         self, call: Call, model: str, klass: ClassSpec, tokens: int, returning: bool, now: float
     ) -> Reservation | Verdict:
         """The call's reservation, or the verdict that kept it out past its wait."""
-        queue = self.queues.setdefault((model, klass.name), deque())
+        client = call.client
+        own = client if self.limiter.client_limits(client) is not None else None
+        queue = self.queues.setdefault((model, klass.name, own), deque())
         waiter = Waiter(call.program_id, returning, tokens)
         if not queue:
-            reservation, verdict = await self._try(call.program_id, model, klass, tokens, now, 0.0)
+            reservation, verdict = await self._try(
+                call.program_id, model, klass, tokens, now, 0.0, client
+            )
             if reservation is not None:
                 return reservation
         else:
@@ -217,6 +229,7 @@ class AdmissionService:
             reserved=tokens,
             verdict=verdict,
             position=position,
+            client=client,
         )
         deadline = now + klass.max_wait_s
         try:
@@ -225,7 +238,7 @@ class AdmissionService:
                 if queue[0] is waiter:
                     waited = now - (deadline - klass.max_wait_s)
                     reservation, verdict = await self._try(
-                        call.program_id, model, klass, tokens, now, waited
+                        call.program_id, model, klass, tokens, now, waited, client
                     )
                     if reservation is not None:
                         return reservation
@@ -243,38 +256,62 @@ class AdmissionService:
             # and whoever is now at the head may go.
             if waiter in queue:
                 queue.remove(waiter)
-            self._wake(model)
+            self._wake(model, client)
 
     async def _try(
-        self, program_id: str, model: str, klass: ClassSpec, tokens: int, now: float, waited: float
+        self,
+        program_id: str,
+        model: str,
+        klass: ClassSpec,
+        tokens: int,
+        now: float,
+        waited: float,
+        client: str | None = None,
     ) -> tuple[Reservation | None, Verdict]:
         """Reserve locally if the call fits this instance's share, then in the shared windows;
         a refusal there takes the local reservation back."""
         backend = None if self.place is None else self.place(program_id, model)
-        verdict = self._check(model, klass, tokens, now, backend)
+        verdict = self._check(model, klass, tokens, now, backend, client)
         if not verdict.admitted:
             return None, verdict
-        reservation = self.limiter.reserve(model, klass.name, tokens, now + self.offset, backend)
-        # The model's global windows, then the backend's (keyed apart from any model's).
-        counted = [(model, self.limiter.limits(model))]
+        reservation = self.limiter.reserve(
+            model, klass.name, tokens, now + self.offset, backend, client
+        )
+        # The model's global windows, then the backend's and the client's (each keyed apart
+        # from any model's).
+        counted = [("model", model, self.limiter.limits(model))]
         if reservation.backend is not None:
-            counted.append((backend_key(reservation.backend), self.limiter.backend_limits(backend)))
-        for key, limits in counted if self.shared is not None else ():
+            counted.append(
+                ("backend", backend_key(reservation.backend), self.limiter.backend_limits(backend))
+            )
+        if reservation.client is not None:
+            counted.append(
+                ("client", client_key(reservation.client), self.limiter.client_limits(client))
+            )
+        taken: list[str] = []
+        for scope, key, limits in counted if self.shared is not None else ():
             if limits is None or self.shared is None:
                 continue
             answer = await self.shared.reserve(key, limits, tokens, now + self.offset)
             if not answer.admitted:
                 unix = trio.current_time() + self.offset
                 self.limiter.cancel(reservation, unix)
-                if key != model and counted[0][1] is not None:
-                    # The model's window counted this call already: give it back.
-                    self.shared.settle(reservation, -tokens, unix)
+                for earlier in taken:
+                    # An earlier key's windows counted this call already: give it back.
+                    self.shared.settle(replace(reservation, model=earlier), -tokens, unix)
                 size = WINDOWED[answer.dimension or "rpm"][0]
                 limit = getattr(limits, answer.dimension or "rpm")
                 return None, Verdict(
-                    False, answer.dimension, limit, answer.used, tokens, window_end(unix, size)
+                    False,
+                    answer.dimension,
+                    limit,
+                    answer.used,
+                    tokens,
+                    window_end(unix, size),
+                    scope=scope,
                 )
-        self._admitted(program_id, model, klass, tokens, now, waited)
+            taken.append(key)
+        self._admitted(program_id, model, klass, tokens, now, waited, client)
         return reservation, verdict
 
     def _enqueue(self, queue: deque[Waiter], waiter: Waiter) -> int:
@@ -287,17 +324,30 @@ class AdmissionService:
         queue.append(waiter)
         return len(queue) - 1
 
-    def _wake(self, model: str) -> None:
-        for (queued_model, _), queue in self.queues.items():
-            if queued_model == model and queue:
+    def _wake(self, model: str, client: str | None = None) -> None:
+        """Wake the head of every queue on ``model``, and of ``client``'s own queues on any
+        model (a call of its that ended may be what their heads wait for)."""
+        for (queued_model, _, owner), queue in self.queues.items():
+            if queue and (queued_model == model or (client is not None and owner == client)):
                 queue[0].event.set()
 
     def _hungry(self, model: str) -> set[str]:
-        return {k for (m, k), queue in self.queues.items() if m == model and queue}
+        return {k for (m, k, _), queue in self.queues.items() if m == model and queue}
 
     def _check(
-        self, model: str, klass: ClassSpec, tokens: int, now: float, backend: str | None = None
+        self,
+        model: str,
+        klass: ClassSpec,
+        tokens: int,
+        now: float,
+        backend: str | None = None,
+        client: str | None = None,
     ) -> Verdict:
+        """The client's own limits first (what it alone can do something about), then the
+        model's split among classes, then the backend's."""
+        on_client = self.limiter.check_client(client, tokens, now + self.offset)
+        if not on_client.admitted:
+            return on_client
         hungry = self._hungry(model) - {klass.name}
         verdict = self.limiter.check(model, klass, tokens, now + self.offset, hungry)
         if not verdict.admitted:
@@ -305,16 +355,26 @@ class AdmissionService:
         on_backend = self.limiter.check_backend(backend, tokens, now + self.offset)
         return verdict if on_backend.admitted else on_backend
 
-    def _limited(self, model: str) -> bool:
-        """Whether calls of ``model`` pass the limiter: it, or a backend serving it, has limits."""
+    def _limited(self, model: str, client: str | None = None) -> bool:
+        """Whether calls of ``model`` pass the limiter: it, a backend serving it, or the
+        calling client has limits."""
         if self.limiter.limits(model) is not None:
+            return True
+        if self.limiter.client_limits(client) is not None:
             return True
         return any(
             self.limiter.backend_limits(n.url) is not None for n in self.pool if n.serves(model)
         )
 
     def _admitted(
-        self, program_id: str, model: str, klass: ClassSpec, tokens: int, now: float, waited: float
+        self,
+        program_id: str,
+        model: str,
+        klass: ClassSpec,
+        tokens: int,
+        now: float,
+        waited: float,
+        client: str | None = None,
     ) -> None:
         self.counts["admit"] += 1
         self._decide(
@@ -326,6 +386,7 @@ class AdmissionService:
             klass=klass.name,
             reserved=tokens,
             waited=waited,
+            client=client,
         )
 
     # -- fallbacks and refusals -----------------------------------------------------------------
@@ -351,6 +412,7 @@ class AdmissionService:
             klass=klass.name,
             reserved=None,
             extra={"to": chain[index + 1], "alias": call.model, "why": why},
+            client=call.client,
         )
         return index + 1
 
@@ -358,7 +420,10 @@ class AdmissionService:
         self, call: Call, model: str, klass: ClassSpec, tokens: int, refusal: Verdict, now: float
     ) -> RateLimited:
         # The verdict that held it; one still behind others of its class is measured now.
-        verdict = refusal if refusal.dimension else self._check(model, klass, tokens, now)
+        client = call.client
+        verdict = (
+            refusal if refusal.dimension else self._check(model, klass, tokens, now, None, client)
+        )
         if verdict.admitted:
             verdict = Verdict(False, retry_at=now + self.offset + 1.0)
         self.counts["reject"] += 1
@@ -371,12 +436,18 @@ class AdmissionService:
             klass=klass.name,
             reserved=tokens,
             verdict=verdict,
+            client=client,
         )
         dimension = verdict.dimension or "queue"
-        key = (model, klass.name, dimension)
+        shown = f"client {client}'s {dimension}" if verdict.scope == "client" else dimension
+        key = (model, klass.name, shown)
         self._refused[key] = self._refused.get(key, 0) + 1
         self._summarise(now)
-        if verdict.never:
+        if verdict.scope == "client" and client is not None:
+            unix = now + self.offset
+            retry = 60.0 if verdict.never else max(1.0, (verdict.retry_at or unix + 1.0) - unix)
+            message = self._client_message(client, dimension, verdict, klass, retry)
+        elif verdict.never:
             retry = 60.0
             message = self._never_message(model, klass, dimension, verdict)
         elif verdict.limit is None:
@@ -418,6 +489,28 @@ class AdmissionService:
         )
         self._refused.clear()
         self._refusals_logged_at = now
+
+    def _client_message(
+        self, client: str, dimension: str, verdict: Verdict, klass: ClassSpec, retry: float
+    ) -> str:
+        """A call over its client's own limit: the client's, not the model's, and what helps."""
+        share = self.limiter.share
+        split = f" (this instance's share is 1/{round(1 / share)})" if share < 1 else ""
+        limit = f"{verdict.used} used of {verdict.limit:g}{split}"
+        if verdict.never:
+            unit = "tokens" if WINDOWED.get(dimension, (0.0, False))[1] else "calls"
+            return (
+                f"This call needs {verdict.need} {unit} of client {client}'s {dimension} limit "
+                f"({limit}); send a smaller call, or ask the operator to raise "
+                f"limits.clients.{client}.{dimension} in [limits]."
+            )
+        waited = f" after waiting {klass.max_wait_s:g}s" if klass.max_wait_s > 0 else ""
+        until = "one of its calls ends" if dimension == "concurrent" else "its window closes"
+        return (
+            f"Rate limit reached for client {client} ({dimension}: {limit}){waited}; retry "
+            f"after {retry:.0f}s, when {until}, or ask the operator to raise "
+            f"limits.clients.{client}.{dimension} in [limits]."
+        )
 
     def _never_message(self, model: str, klass: ClassSpec, dimension: str, verdict: Verdict) -> str:
         """Why a call can never be admitted, and the one remedy that helps: a smaller call
@@ -500,6 +593,7 @@ class AdmissionService:
         waited: float | None = None,
         position: int | None = None,
         extra: Mapping[str, Any] | None = None,
+        client: str | None = None,
     ) -> None:
         detail: dict[str, Any] = {
             "model": model,
@@ -507,9 +601,12 @@ class AdmissionService:
             "instance": self.instance,
             "share": self.limiter.share,
         }
+        if client is not None:
+            detail["client"] = client
         if verdict is not None and verdict.dimension is not None:
             size = WINDOWED.get(verdict.dimension, (None, False))[0]
             detail.update(
+                limited_by=verdict.scope,
                 dimension=verdict.dimension,
                 window_s=size,
                 window_start=None
@@ -562,7 +659,11 @@ class AdmissionService:
                     "ratio": klass.ratio,
                     "flexible": klass.flexible,
                     **{d: usage.used(d, now) for d in DIMENSIONS},
-                    "waiting": len(self.queues.get((model, klass.name), ())),
+                    "waiting": sum(
+                        len(queue)
+                        for (m, k, _), queue in self.queues.items()
+                        if m == model and k == klass.name
+                    ),
                 }
             models[model] = {
                 "limits": {d: getattr(limits, d) for d in DIMENSIONS},
@@ -574,18 +675,33 @@ class AdmissionService:
                 },
                 "classes": classes,
             }
+        clients: dict[str, Any] = {}
+        for name, limits in self.spec.clients.items():
+            usage = self.limiter.client_usage(name)
+            clients[name] = {
+                "limits": {d: getattr(limits, d) for d in DIMENSIONS},
+                "used": {d: usage.used(d, now) for d in DIMENSIONS},
+                "waiting": sum(len(q) for (_, _, c), q in self.queues.items() if c == name),
+            }
         return {
             "instance": self.instance,
             "share": self.limiter.share,
             "redis": None if self.shared is None else self.shared.statistics(),
             "counts": dict(self.counts),
             "models": models,
+            "clients": clients,
         }
 
 
 def backend_key(url: str) -> str:
     """A backend's name among the Redis window keys (apart from every model's)."""
     return f"backend={url}"
+
+
+def client_key(name: str) -> str:
+    """A client's name among the Redis window keys (apart from every model's and backend's:
+    a client's name holds no ``=``)."""
+    return f"client={name}"
 
 
 def instance_name(settings: Settings) -> str:

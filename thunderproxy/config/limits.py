@@ -17,7 +17,7 @@ from ..where import Where
 #: The limit names of one model, as written in the file.
 LIMIT_KEYS = ("rpm", "tpm", "rpd", "tpd", "concurrent")
 CLASS_KEYS = ("ratio", "flexible", "max_wait")
-TOP_KEYS = ("default_class", "completion_tokens", "models", "backends", "classes")
+TOP_KEYS = ("default_class", "completion_tokens", "models", "backends", "clients", "classes")
 #: A call that names no class and a config that lists none: one class with all the capacity.
 DEFAULT_CLASS = "default"
 
@@ -56,12 +56,16 @@ class LimitsSpec:
     #: Limits of single backends, by URL or name (``[limits.backends.<name>]``): what one
     #: deployment allows, whichever model group sends to it. Not split among classes.
     backends: Mapping[str, ModelLimits] = field(default_factory=dict)
+    #: Limits of single clients (``[limits.clients.<name>]``, a name from ``[clients]``): what
+    #: one client may use of every model and backend together. Not split among classes.
+    clients: Mapping[str, ModelLimits] = field(default_factory=dict)
 
     def __hash__(self) -> int:
         return hash(
             (
                 tuple(sorted(self.models.items())),
                 tuple(sorted(self.backends.items())),
+                tuple(sorted(self.clients.items())),
                 self.classes,
                 self.default_class,
             )
@@ -81,6 +85,10 @@ class LimitsSpec:
             "backends": {
                 name: {k: getattr(lim, k) for k in LIMIT_KEYS if getattr(lim, k) is not None}
                 for name, lim in self.backends.items()
+            },
+            "clients": {
+                name: {k: getattr(lim, k) for k in LIMIT_KEYS if getattr(lim, k) is not None}
+                for name, lim in self.clients.items()
             },
             "classes": {
                 c.name: {"ratio": c.ratio, "flexible": c.flexible, "max_wait": c.max_wait_s}
@@ -199,9 +207,9 @@ def check_served(spec: LimitsSpec, served: Collection[str], where: Where) -> Non
 
 
 def parse_limits(value: Any, where: Where) -> Mapping[str, Any]:
-    """``[limits]``: ``[limits.models.<name>]`` and ``[limits.backends.<url or name>]`` tables
-    of rpm/tpm/rpd/tpd/concurrent, ``[limits.classes.<name>]`` tables of
-    ratio/flexible/max_wait, ``default_class``."""
+    """``[limits]``: ``[limits.models.<name>]``, ``[limits.backends.<url or name>]`` and
+    ``[limits.clients.<name>]`` tables of rpm/tpm/rpd/tpd/concurrent,
+    ``[limits.classes.<name>]`` tables of ratio/flexible/max_wait, ``default_class``."""
     table = _table(value, where, "[limits] with [limits.models.<model>] tables")
     _unknown(table, TOP_KEYS, where)
     models_in = _table(table.get("models", {}), where.dot("models"), "[limits.models.<model>]")
@@ -210,6 +218,8 @@ def parse_limits(value: Any, where: Where) -> Mapping[str, Any]:
         table.get("backends", {}), where.dot("backends"), '[limits.backends."<url or name>"]'
     )
     backends = {name: _model(v, where.dot("backends").dot(name)) for name, v in backends_in.items()}
+    clients_in = _table(table.get("clients", {}), where.dot("clients"), "[limits.clients.<name>]")
+    clients = {name: _model(v, where.dot("clients").dot(name)) for name, v in clients_in.items()}
     classes_in = _table(table.get("classes", {}), where.dot("classes"), "[limits.classes.<name>]")
     classes = tuple(_class(n, v, where.dot("classes").dot(n)) for n, v in classes_in.items())
     if not classes:
@@ -228,5 +238,5 @@ def parse_limits(value: Any, where: Where) -> Mapping[str, Any]:
         )
     completion = _count(table.get("completion_tokens", 256), where.dot("completion_tokens"))
     _check_reachable(models, classes, where)
-    spec = LimitsSpec(models, classes, default, completion, backends)
+    spec = LimitsSpec(models, classes, default, completion, backends, clients)
     return {"limits": spec}

@@ -603,6 +603,20 @@ class Settings:
                         f"limits.backends.{name}: no configured backend has this URL or name; "
                         "name one of: " + (", ".join(sorted(known)) or "(none: add --backends)")
                     )
+        if self.limits is not None and self.limits.clients:
+            names = () if self.clients is None else self.clients.names
+            for name in self.limits.clients:
+                if name not in names:
+                    raise ConfigError(
+                        f"limits.clients.{name}: no configured client has this name; "
+                        + (
+                            "name one of: " + ", ".join(names)
+                            if names
+                            else "client limits need client keys: add [clients.keys] (CONFIG.md, "
+                            '"Client keys"), or remove [limits.clients]'
+                        )
+                        + "."
+                    )
         if self.clients is not None:
             problem = check_forwarding(self.clients, [(b.url, b.name) for b in self.backend_specs])
             if problem is not None:
