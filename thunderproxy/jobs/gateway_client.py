@@ -43,6 +43,7 @@ class GatewayChatClient:
             headers=[("content-type", "application/json")],
             context_chars=_chars(request.messages),
             source="explicit",
+            client=request.client,
         )
         assembler = StreamAssembler()
         try:

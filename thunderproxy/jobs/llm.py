@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import httpx
@@ -60,6 +60,9 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     max_tokens: int | None = None
+    #: The configured client (``[clients]``) whose job asks, recorded on the call's step and
+    #: counted against its limits; None: none (no client keys, or a job from before them).
+    client: str | None = None
 
     def body(self) -> dict[str, Any]:
         """The streamed request, usage included (the tool loop needs the counts)."""
@@ -84,6 +87,21 @@ class ChatClient(Protocol):
     def stream_chat(self, request: ChatRequest) -> AsyncIterator[ChatEvent]: ...
 
     async def release(self, program_id: str) -> None: ...
+
+
+class ForClient:
+    """A ``ChatClient`` whose every request is ``client``'s: a council job's calls are those of
+    the client that started it."""
+
+    def __init__(self, inner: ChatClient, client: str | None) -> None:
+        self.inner = inner
+        self.client = client
+
+    def stream_chat(self, request: ChatRequest) -> AsyncIterator[ChatEvent]:
+        return self.inner.stream_chat(replace(request, client=self.client))
+
+    async def release(self, program_id: str) -> None:
+        await self.inner.release(program_id)
 
 
 @asynccontextmanager
@@ -173,7 +191,8 @@ def error_message(raw: bytes) -> str:
 
 
 class HttpChatClient:
-    """``ChatClient`` over an OpenAI-compatible base URL (a thunderproxy or any server)."""
+    """``ChatClient`` over an OpenAI-compatible base URL (a thunderproxy or any server). A
+    request's ``client`` is not sent: over HTTP a proxy knows its callers by their keys."""
 
     def __init__(self, base_url: str, client: httpx.AsyncClient, *, admin_token: str = "") -> None:
         self.base_url = base_url.rstrip("/")

@@ -163,7 +163,9 @@ def create_blueprint(
     async def message(conversation_id: str) -> tuple[Response, int]:
         await conversation_or_404(conversation_id)
         content = await question()
-        job_id = await runner.start(conversation_id, content, client=caller())
+        job_id = await runner.start(
+            conversation_id, content, client=caller(), owner=client_of(request.scope)
+        )
         unrecorded = await runner.wait(job_id)
         if unrecorded is not None:
             # The job could not record how it ended: the db refused its writes.
@@ -187,7 +189,9 @@ def create_blueprint(
     async def message_stream(conversation_id: str) -> Response:
         await conversation_or_404(conversation_id)
         content = await question()
-        job_id = await runner.start(conversation_id, content, client=caller())
+        job_id = await runner.start(
+            conversation_id, content, client=caller(), owner=client_of(request.scope)
+        )
         return stream(job_id, 0)
 
     @bp.get("/api/conversations/<conversation_id>/job/status")

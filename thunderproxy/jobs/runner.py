@@ -27,7 +27,7 @@ from ..errors import InvalidRequest
 from . import council, pipeline
 from .council import MemberAnswer, MemberRanking
 from .errors import JobFailed, JobRunning, StoreUnavailable, TooManyJobs
-from .llm import ChatClient
+from .llm import ChatClient, ForClient
 from .pipeline import CouncilConfig
 from .store import Event, JobStore
 from .tools import Toolbox
@@ -164,9 +164,18 @@ class CouncilRunner:
                 ".../job/stream) and ask again."
             )
 
-    async def start(self, conversation_id: str, question: str, client: str | None = None) -> str:
+    async def start(
+        self,
+        conversation_id: str,
+        question: str,
+        client: str | None = None,
+        *,
+        owner: str | None = None,
+    ) -> str:
         """Record the question and start its job; raises ``JobRunning`` if one runs already,
-        ``TooManyJobs`` past the caps on running jobs (``client``: the caller's address)."""
+        ``TooManyJobs`` past the caps on running jobs (``client``: who the caps count, the
+        caller's name with ``[clients]``, else its address). ``owner``: the configured client
+        that asked (``[clients]``), whose calls the job's are: its steps record it."""
         if self._nursery is None:
             raise JobFailed("The council is not running; the proxy is starting or stopping.")
         if not self.config.members:
@@ -190,6 +199,7 @@ class CouncilRunner:
                 members=self.config.members,
                 chairman=self.config.chairman,
                 title_model=self.config.title_model,
+                client=owner,
             )
             job = await self.store.get_job(job_id)
             assert job is not None
@@ -255,9 +265,15 @@ class CouncilRunner:
         return live.unrecorded
 
     # --- one job ---------------------------------------------------------------------------------
-    async def _run(self, job: dict[str, Any], live: LiveJob) -> None:
+    def _client_for(self, job: dict[str, Any]) -> ChatClient:
+        """The chat client of ``job``'s calls: each is the call of the client that started it
+        (its row keeps the name, so a resumed job's calls are still that client's)."""
         assert self.client is not None
-        client = self.client
+        owner = job.get("client")
+        return self.client if owner is None else ForClient(self.client, owner)
+
+    async def _run(self, job: dict[str, Any], live: LiveJob) -> None:
+        client = self._client_for(job)
         job_id = live.job_id
 
         order = trio.Lock()
@@ -335,8 +351,7 @@ class CouncilRunner:
             live.notify()
 
     async def _stages(self, job: dict[str, Any], emit: pipeline.Emit) -> None:
-        assert self.client is not None
-        client = self.client
+        client = self._client_for(job)
         store = self.store
         job_id = job["id"]
         question = job["question"]

@@ -279,8 +279,10 @@ class JobStore:
         members: Sequence[str],
         chairman: str,
         title_model: str | None,
+        client: str | None = None,
     ) -> str:
-        """Record the user's message, the job and the assistant message it will fill, at once."""
+        """Record the user's message, the job and the assistant message it will fill, at once;
+        ``client``: the configured client that asked (``[clients]``), whose calls its are."""
         job_id = uuid.uuid4().hex[:16]
         now = self.now()
 
@@ -292,10 +294,10 @@ class JobStore:
                 ).fetchone()
                 conn.execute(
                     "INSERT INTO council_jobs (id, conversation_id, question, status, members, "
-                    "chairman, title_model, created_at, updated_at) "
-                    "VALUES (?, ?, ?, 'pending', ?, ?, ?, ?, ?)",
+                    "chairman, title_model, client, created_at, updated_at) "
+                    "VALUES (?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?)",
                     (job_id, conversation_id, question, _json(list(members)), chairman,
-                     title_model if first else None, now, now),
+                     title_model if first else None, client, now, now),
                 )  # fmt: skip
                 conn.executemany(
                     "INSERT INTO council_messages (conversation_id, role, content, job_id, "
