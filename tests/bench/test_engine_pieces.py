@@ -155,6 +155,15 @@ def test_agreement_needs_every_bound_and_the_same_verdict() -> None:
     # Eleven preemptions more than the engine's two: outside 3 or 25%.
     churn = [*close[:3], summary("sim", "tr", 23.5, 0.80, 13)]
     assert not agrees(agreement(churn))
+    # Level on both sides (0.993 against 1.00) is one verdict, not two: neither is behind by
+    # the suite's rule (measured on the engine with room for every program).
+    level = [
+        summary("engine", "default", 36.17, 0.889, 0), summary("engine", "tr", 35.92, 0.889, 0),
+        summary("sim", "default", 33.66, 0.889, 0), summary("sim", "tr", 33.66, 0.889, 0),
+    ]  # fmt: skip
+    assert agrees(agreement(level))
+    behind = [*level[:3], summary("sim", "tr", 32.8, 0.889, 0)]  # 0.974: behind
+    assert agreement(behind)[-1].agrees is False
 
 
 def test_a_real_engine_takes_the_targets_it_can_serve() -> None:

@@ -25,13 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ...errors import ConfigError
-from ..config import BenchConfig
+from ..config import MAX_P99_RATIO, MIN_STEPS_RATIO, BenchConfig
 from ..workloads.workload import Workload
 
-#: The candidate passes with at least this share of the best baseline's steps/min ...
-MIN_STEPS_RATIO = 0.98
-#: ... and at most this multiple of its p99 program time.
-MAX_P99_RATIO = 1.02
 #: Where some programs are interactive: their later calls' TTFT p99 at most this multiple of
 #: the baseline's, and none of their calls held past the class's bound.
 MAX_INTERACTIVE_TTFT_RATIO = 1.2
