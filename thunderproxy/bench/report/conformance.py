@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import MIN_STEPS_RATIO
+from .figures import MIN_STEPS_RATIO
 
 #: steps/min of the simulator within this fraction of the engine's.
 STEPS_TOLERANCE = 0.15

@@ -12,6 +12,12 @@ from typing import Any
 
 from ..agents.agent import RunLog, StepLog
 
+#: The verdict on tr (the scheduling suite's, and whether engine and simulator agree on it):
+#: at least this share of the best baseline's steps/min ...
+MIN_STEPS_RATIO = 0.98
+#: ... and at most this multiple of its p99 program time.
+MAX_P99_RATIO = 1.02
+
 #: Latency classes reported apart (scheduling/classes.py), where a run has more than one.
 CLASSES = ("interactive", "batch")
 

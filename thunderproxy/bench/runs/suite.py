@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ...errors import ConfigError
-from ..config import MAX_P99_RATIO, MIN_STEPS_RATIO, BenchConfig
+from ..config import BenchConfig
+from ..report.figures import MAX_P99_RATIO, MIN_STEPS_RATIO
 from ..workloads.workload import Workload
 
 #: Where some programs are interactive: their later calls' TTFT p99 at most this multiple of
