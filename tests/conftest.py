@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -172,6 +173,15 @@ async def wait_for(predicate: Any, *, timeout: float = 5.0, interval: float = 0.
 LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 
 
+def hangup_as_default() -> None:
+    """``preexec_fn`` of a process a test will hang up on: SIGHUP back to its default action.
+
+    A disposition of "ignored" is inherited, so under ``nohup pytest`` every child would start
+    with SIGHUP ignored, and ``serve`` leaves an ignored SIGHUP alone by design; the tests that
+    send it one mean a terminal's hang-up."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 async def spawn_serving(
     argv: Sequence[str], env: dict[str, str] | None = None
 ) -> tuple[trio.Process, str]:
@@ -183,6 +193,7 @@ async def spawn_serving(
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         env=dict(os.environ) if env is None else env,
+        preexec_fn=hangup_as_default,
     )
     assert process.stderr is not None
     seen = b""

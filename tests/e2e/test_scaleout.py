@@ -19,6 +19,7 @@ import trio
 
 # The fixtures: a redis-server (installed if missing) on a free port.
 from tests.admission.conftest import RedisServer, redis_binary, redis_server  # noqa: F401
+from tests.conftest import hangup_as_default
 from thunderproxy.bench.studies.scaleout import ScaleoutConfig, run_arrangement
 from thunderproxy.scaleout import worker_db
 from thunderproxy.sim import SimConfig, open_simulator
@@ -177,7 +178,9 @@ async def test_workers_die_with_their_supervisor(
     # serving the port with parent 1.
     async with open_simulator(SimConfig(time_scale=0.02)) as sim:
         argv = two_workers(tmp_path, sim.url, redis_server.url)
-        process = await trio.lowlevel.open_process(argv, stderr=subprocess.PIPE)
+        process = await trio.lowlevel.open_process(
+            argv, stderr=subprocess.PIPE, preexec_fn=hangup_as_default
+        )
         pids: list[int] = []
         try:
             pattern = rb"listening on http://127\.0\.0\.1:(\d+) \(2 workers, pids (\d+),(\d+)"
