@@ -2,23 +2,31 @@
 
 A ``serve`` process in front of its embedded simulator (40,000 KV tokens, ``tr``), two clients
 configured. The victim runs one program, call after call; 12 attacker threads call as fast
-as they can for the same 15 s, first (on a fresh proxy) under ids of their own, then under the
+as they can for the same time, first (on a fresh proxy) under ids of their own, then under the
 victim's ``program_id``. Before client keys, the spoofed id was the victim's program: the
 attacker's calls were recorded as the victim's steps and scheduled as its calls. Now the id is
 scoped by the client (``attacker:victim-2``): every step of the victim's program is its own,
 steps name their client, and a call without a key is 401 (all asserted).
 
-The victim's throughput is measured and printed, and not yet held to the bound asked of it
-(within 10% of the own-ids round). tr now counts each call in flight as a context, holds a
-program's further calls until one more fits, and lets the client holding the most KV give way
-first; on the development machine (one core, three runs) the victim made 34, 29 and 19 calls
-with the spoofed id (6 before), against 16, 35 and 19 with own ids (ratios 2.1, 0.83, 1.0):
-both rounds start with every first call admitted at once (tr does not hold before programs
-are seen to come back), and how long the engine takes to work through those 13 prompts
-decides most of each round. Until both rounds are steady, a ratio under 0.9 is reported as
-an expected failure with the figures.
+The victim must keep within 10% of the calls it makes when the attackers use their own ids. That
+is a claim about the steady state, so each round has two parts. The first ``WARM_UP_S`` are not
+counted: tr does not hold before programs are seen to come back, so all 13 first calls go out
+at once, and how long the engine takes to work through those prompts, not the policy, decides
+how many calls anyone makes until tr first pauses (about 6 s in on the development machine).
+Counted are the calls answered in the ``COUNT_S`` after that, long enough for several rounds of
+pauses and resumes. Timed from the round's start alone (15 s, nothing left out), the same
+rounds gave ratios of 2.1, 0.83 and 1.0 in three runs. When each round's first pause came and
+how many pauses fell in the counted window are printed beside the figures.
 
-Loopback only, bounded (about 50 s), behind ``slow``: ``pytest -m slow
+Measured so, the victim does not keep its calls. Three runs on two cores: 275, 266 and 267
+calls in the counted 40 s with own ids (tr paused nobody in that window: the first pause came
+1.5 s in), 126, 139 and 143 with the spoofed id (first pause about 8 s in, 7 or 8 in the
+window); ratios 0.46, 0.52 and 0.54. In the spoofed round the attacker's one program made only
+about 30 calls, some held past the 60 s its client waits, yet the victim's program was paused
+too (``over_capacity`` and ``calls_exceed_capacity`` among its decisions) and waited for room.
+Until that is fixed a ratio under 0.9 is reported as an expected failure, with the figures.
+
+Loopback only, bounded (about two minutes), behind ``slow``: ``pytest -m slow
 tests/reliability/test_spoofing.py -s`` prints the figures.
 """
 
@@ -43,7 +51,10 @@ from thunderproxy.config.clients import key_digest
 VICTIM_KEY = "tp-victim-key-0123456789abcdef"
 ATTACKER_KEY = "tp-attacker-key-fedcba9876543210"
 ATTACKERS = 12
-SECONDS = 15.0
+#: Not counted: tr's start-up, until it has seen programs come back and begun to hold.
+WARM_UP_S = 15.0
+#: Counted: the calls answered in this window after the warm-up.
+COUNT_S = 40.0
 KV_TOKENS = 40_000
 #: Prompt words per call (about a token each), and tokens generated per answer: thirteen
 #: programs' prompts oversubscribe the cache about 1.5 times, so tr has to choose.
@@ -103,49 +114,81 @@ def prompt(tag: str) -> list[dict[str, str]]:
 
 
 def caller(
-    url: str, key: str, program_id: str, tag: str, stop_at: float, done: list[float]
+    url: str,
+    key: str,
+    program_id: str,
+    tag: str,
+    stop_at: float,
+    done: list[float],
+    timed_out: list[float],
 ) -> None:
-    """Calls until ``stop_at``, one at a time; each answered call's end time into ``done``."""
+    """Calls until ``stop_at``, one at a time; each answered call's end time into ``done``,
+    and the time of each call given up after 60 s without an answer into ``timed_out`` (the
+    attacker's calls can be held that long: it is a miss, not the test's failure)."""
     body = {"model": "any", "messages": prompt(tag), "program_id": program_id}
     headers = {"authorization": f"Bearer {key}", "x-sim-output-tokens": str(OUTPUT_TOKENS)}
     with httpx.Client(base_url=url, timeout=60) as client:
         while time.monotonic() < stop_at:
-            r = client.post("/v1/chat/completions", json=body, headers=headers)
+            try:
+                r = client.post("/v1/chat/completions", json=body, headers=headers)
+            except httpx.TimeoutException:
+                timed_out.append(time.monotonic())
+                continue
             if r.status_code == 200 and time.monotonic() <= stop_at:
                 done.append(time.monotonic())
 
 
 @dataclass
 class Round:
+    #: Calls answered in the counted window, after the warm-up.
     victim_calls: int
     attacker_calls: int
+    #: Every call the victim had answered in the round, warm-up included.
+    victim_answered: int
+    #: Calls given up after 60 s without an answer, warm-up included.
+    timed_out: int
 
 
 def one_round(url: str, round_no: int, spoof: bool) -> Round:
-    """The victim's program against 12 attacker threads for ``SECONDS``: ``spoof``, all
-    under the victim's program id; else each under one of its own."""
-    stop_at = time.monotonic() + SECONDS
+    """The victim's program against 12 attacker threads for ``WARM_UP_S + COUNT_S``:
+    ``spoof``, all under the victim's program id; else each under one of its own. Counts
+    the calls answered after the warm-up."""
+    count_from = time.monotonic() + WARM_UP_S
+    stop_at = count_from + COUNT_S
     victim: list[float] = []
     attackers: list[float] = []
-    threads = [
-        threading.Thread(
-            target=caller,
-            args=(url, VICTIM_KEY, f"victim-{round_no}", f"v{round_no}x", stop_at, victim),
-        )
-    ]
+    timed_out: list[float] = []
+    callers = [(VICTIM_KEY, f"victim-{round_no}", f"v{round_no}x", victim)]
     for i in range(ATTACKERS):
         program = f"victim-{round_no}" if spoof else f"own-{round_no}-{i}"
-        threads.append(
-            threading.Thread(
-                target=caller,
-                args=(url, ATTACKER_KEY, program, f"a{round_no}x{i}x", stop_at, attackers),
-            )
-        )
+        callers.append((ATTACKER_KEY, program, f"a{round_no}x{i}x", attackers))
+    threads = [
+        threading.Thread(target=caller, args=(url, key, program, tag, stop_at, done, timed_out))
+        for key, program, tag, done in callers
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(SECONDS + 120)
-    return Round(len(victim), len(attackers))
+        thread.join(WARM_UP_S + COUNT_S + 120)
+    assert not any(thread.is_alive() for thread in threads)
+    return Round(
+        victim_calls=sum(1 for t in victim if t >= count_from),
+        attacker_calls=sum(1 for t in attackers if t >= count_from),
+        victim_answered=len(victim),
+        timed_out=len(timed_out),
+    )
+
+
+def pauses(db: Path) -> str:
+    """When tr first paused a program in a round (seconds after the round's first call
+    arrived), and how many pauses fell in the counted window: what says whether the warm-up
+    was long enough and the window saw several rounds of pauses."""
+    start = query(db, "SELECT min(arrived_at) AS at FROM steps")[0]["at"]
+    at = [r["at"] - start for r in query(db, "SELECT at FROM decisions WHERE action = 'pause'")]
+    if not at:
+        return "no pause"
+    counted = sum(1 for t in at if WARM_UP_S <= t <= WARM_UP_S + COUNT_S)
+    return f"first pause at {min(at):.1f} s, {counted} pauses counted"
 
 
 @pytest.mark.slow
@@ -162,14 +205,17 @@ def test_an_attacker_sending_the_victims_program_id_does_not_slow_the_victim(
             )
             assert keyless.status_code == 401
         spoofed = one_round(url, 2, spoof=True)
+    assert own.victim_calls > 0
     ratio = spoofed.victim_calls / own.victim_calls
+    db = tmp_path / "spoofed" / "audit.db"
     print(
-        f"\nvictim's calls in {SECONDS:.0f} s: {own.victim_calls} with the attackers on their "
-        f"own ids ({own.attacker_calls} attacker calls), {spoofed.victim_calls} with them "
-        f"sending the victim's id ({spoofed.attacker_calls} attacker calls): {ratio:.2f}",
+        f"\nvictim's calls in {COUNT_S:.0f} s after {WARM_UP_S:.0f} s of warm-up: "
+        f"{own.victim_calls} with the attackers on their own ids ({own.attacker_calls} "
+        f"attacker calls, {own.timed_out} timed out; {pauses(tmp_path / 'own' / 'audit.db')}), "
+        f"{spoofed.victim_calls} with them sending the victim's id ({spoofed.attacker_calls} "
+        f"attacker calls, {spoofed.timed_out} timed out; {pauses(db)}): {ratio:.2f}",
         file=sys.stderr,
     )
-    db = tmp_path / "spoofed" / "audit.db"
     by_client = query(
         db,
         "SELECT client, program_id, count(*) AS steps FROM steps WHERE status = 200 "
@@ -180,7 +226,8 @@ def test_an_attacker_sending_the_victims_program_id_does_not_slow_the_victim(
     assert set(victims) == {"victim:victim-2"}
     # Its answered calls, and at most the one still running when the round ended: none of the
     # attacker's (before, they were counted here too).
-    assert spoofed.victim_calls <= victims["victim:victim-2"]["steps"] <= spoofed.victim_calls + 1
+    steps = victims["victim:victim-2"]["steps"]
+    assert spoofed.victim_answered <= steps <= spoofed.victim_answered + 1
     spoofing = [r for r in by_client if r["program_id"] == "attacker:victim-2"]
     assert spoofing
     assert spoofing[0]["client"] == "attacker"
@@ -188,7 +235,8 @@ def test_an_attacker_sending_the_victims_program_id_does_not_slow_the_victim(
     assert refused == [{"status": 401, "client": None}]
     if ratio < 0.9:
         pytest.xfail(
-            f"the victim made {spoofed.victim_calls} calls against the spoofed id and "
-            f"{own.victim_calls} against own ids: the rounds are not yet steady enough to "
-            "hold to the bound"
+            f"after the warm-up the victim made {spoofed.victim_calls} calls against the "
+            f"spoofed id and {own.victim_calls} against own ids ({ratio:.2f}, bound 0.9): tr "
+            "pauses the victim's program while the attacker's calls under its scoped id "
+            "fill the cache (three runs measured 126/275, 139/266, 143/267: 0.46, 0.52, 0.54)"
         )
