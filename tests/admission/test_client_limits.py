@@ -5,19 +5,18 @@ tried for it. With Redis, the client's window is global like a model's."""
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
 from tests.admission.conftest import RedisServer
+from tests.admission.test_service import decisions
 from thunderproxy.admission.service import AdmissionService, Ticket, client_key
 from thunderproxy.admission.shared import SharedLimits
 from thunderproxy.audit import AuditLog
-from thunderproxy.audit.records import AuditRecord, DecisionRecord
+from thunderproxy.audit.records import AuditRecord
 from thunderproxy.backends import BackendPool
 from thunderproxy.config.limits import ClassSpec, LimitsSpec, ModelLimits
 from thunderproxy.errors import RateLimited
@@ -52,17 +51,6 @@ def call(program: str, client: str | None, model: str = BIG) -> Call:
         context_chars=40,
         client=client,
     )
-
-
-def decisions(receive: trio.MemoryReceiveChannel[AuditRecord]) -> list[tuple[str, str, Any]]:
-    rows = []
-    while True:
-        try:
-            record = receive.receive_nowait()
-        except trio.WouldBlock:
-            return rows
-        if isinstance(record, DecisionRecord):
-            rows.append((record.program_id, record.action, json.loads(record.detail or "{}")))
 
 
 async def test_a_client_over_its_limit_waits_apart_while_another_clients_calls_pass(

@@ -3,22 +3,10 @@ order of the KV they hold: the tr rules as pure functions (policy.py)."""
 
 from __future__ import annotations
 
+from tests.scheduling.test_policy import CFG, A, B, P, R
 from thunderproxy.programs import ProgramStatus
 from thunderproxy.scheduling import policy
 from thunderproxy.scheduling.policy import Action, BackendView, PolicyConfig, ProgramView
-
-B = "http://b0"
-R, A, P = ProgramStatus.REASONING, ProgramStatus.ACTING, ProgramStatus.PAUSED
-CFG = PolicyConfig(
-    decode_buffer=0,
-    pause_cooldown_s=0,
-    resume_cooldown_s=0,
-    acting_half_life_s=0,
-    target_fill=1.0,
-    max_wait_s=100,
-    resume_protection_s=30,
-    idle_lease_s=600,
-)
 
 
 def backend(capacity: int = 10_000) -> BackendView:
