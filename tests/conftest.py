@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -34,6 +34,9 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from thunderproxy.config import load_settings
 from thunderproxy.runtime import RunningProxy, run
+
+if TYPE_CHECKING:
+    from tests.fakebackend import FakeBackend
 
 # The suite runs on two shared cores: how long an example takes there says nothing about the
 # code, so neither a per-example deadline nor the "too slow" health check may fail a test.
@@ -204,3 +207,15 @@ async def spawn_serving(
                 raise AssertionError(f"serve exited before listening:\n{seen.decode()}")
             seen += chunk
     return process, match.group(1).decode()
+
+
+@pytest.fixture
+async def backend(nursery: trio.Nursery) -> FakeBackend:
+    """A scripted OpenAI-compatible backend on loopback (``tests/fakebackend.py``), served for
+    the test; a module that needs another kind of backend defines its own ``backend``."""
+    # Imported here: fakebackend imports this module (running_proxy).
+    from tests.fakebackend import FakeBackend, serve_fake_backend
+
+    state = FakeBackend()
+    await nursery.start(serve_fake_backend, state)
+    return state

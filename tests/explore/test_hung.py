@@ -15,7 +15,7 @@ import httpx
 import trio
 
 from tests.conftest import running_proxy
-from tests.explore.test_isolation import backend, explorer_status  # noqa: F401 (fixture)
+from tests.explore.test_isolation import explorer_status
 from tests.fakebackend import FakeBackend
 from thunderproxy.explore.mount import (
     HUNG_CPU_S,
@@ -46,7 +46,7 @@ def explorer_reasons(body: dict[str, Any]) -> list[str]:
 
 
 async def test_a_stopped_explorer_is_degraded_then_ok_then_restarted_when_it_stays_silent(
-    backend: FakeBackend,  # noqa: F811
+    backend: FakeBackend,
     tmp_path: Path,
 ) -> None:
     async with (

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from tests.conftest import running_proxy, spawn_serving
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from tests.fakebackend import FakeBackend
 from thunderproxy.explore import instance
 
 #: Page size of the load: 1,000 rows (max_returned_rows) of 100 URL-valued columns (the column
@@ -41,13 +41,6 @@ PATHOLOGICAL_LIKE = (
 #: instr() of a 1 MB value and a 500 kB needle that never matches: one instruction of 2.5e11
 #: byte comparisons (tens of seconds), with no pattern limit to refuse it.
 RUNAWAY_INSTR = "select instr(printf('%.*c', 1000000, 'a'), printf('%.*c', 500000, 'a') || 'b')"
-
-
-@pytest.fixture
-async def backend(nursery: trio.Nursery) -> FakeBackend:
-    state = FakeBackend()
-    await nursery.start(serve_fake_backend, state)
-    return state
 
 
 async def explorer_status(client: httpx.AsyncClient) -> dict[str, object]:

@@ -15,18 +15,11 @@ import trio
 
 from tests.conftest import running_proxy, wait_for
 from tests.explore.conftest import raw, run_canned
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from tests.fakebackend import FakeBackend
 from thunderproxy.explore.instance import canned_queries
 
 #: A value for every parameter, so each query's parameter handling is exercised.
 PARAMS = {"program_id": "alpha", "since": "-1 day", "until": "", "bucket": "1", "day": ""}
-
-
-@pytest.fixture
-async def backend(nursery: trio.Nursery) -> FakeBackend:
-    state = FakeBackend()
-    await nursery.start(serve_fake_backend, state)
-    return state
 
 
 @pytest.fixture

@@ -11,17 +11,10 @@ import pytest
 import trio
 
 from tests.conftest import query, running_proxy
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from tests.fakebackend import FakeBackend
 from thunderproxy.runtime import RunningProxy
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture
-async def backend(nursery: trio.Nursery) -> FakeBackend:
-    state = FakeBackend()
-    await nursery.start(serve_fake_backend, state)
-    return state
 
 
 @pytest.fixture

@@ -17,10 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
-import trio
 
 from tests.conftest import query, running_proxy
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from tests.fakebackend import FakeBackend
 from thunderproxy.config import load_settings
 from thunderproxy.config.clients import ClientsSpec, key_digest
 from thunderproxy.errors import ConfigError
@@ -102,13 +101,6 @@ def test_a_bad_section_stops_with_the_key_and_the_remedy(
 
 
 # --- the edge -------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def backend(nursery: trio.Nursery) -> FakeBackend:
-    state = FakeBackend()
-    await nursery.start(serve_fake_backend, state)
-    return state
 
 
 @asynccontextmanager

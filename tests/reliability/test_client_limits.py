@@ -9,10 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import trio
 
 from tests.conftest import query, running_proxy
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from tests.fakebackend import FakeBackend
 from tests.reliability.test_client_keys import ALICE, BOB, CHAT, bearer, write_config
 from thunderproxy.config import load_settings
 from thunderproxy.errors import ConfigError
@@ -25,13 +24,6 @@ rpm = 2
 ratio = 1.0
 max_wait = 0
 """
-
-
-@pytest.fixture
-async def backend(nursery: trio.Nursery) -> FakeBackend:
-    state = FakeBackend()
-    await nursery.start(serve_fake_backend, state)
-    return state
 
 
 async def test_a_client_over_its_own_limit_gets_429_while_another_clients_calls_pass(

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import trio
 
 from tests.conftest import query, running_proxy, wait_for
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from tests.fakebackend import FakeBackend
 from thunderproxy.errors import InvalidRequest
 from thunderproxy.http.validate import MAX_JSON_DEPTH, check_identifier, load_json
 from thunderproxy.runtime import RunningProxy
@@ -57,13 +56,6 @@ def test_identifiers_must_be_unicode_text() -> None:
     assert caught.value.param == "model"
     assert "'\\udc80' at character 2" in caught.value.message
     caught.value.message.encode("utf-8")  # the message itself is sendable
-
-
-@pytest.fixture
-async def backend(nursery: trio.Nursery) -> FakeBackend:
-    state = FakeBackend()
-    await nursery.start(serve_fake_backend, state)
-    return state
 
 
 @pytest.fixture

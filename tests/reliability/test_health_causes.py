@@ -27,20 +27,13 @@ import pytest
 import trio
 
 from tests.conftest import running_proxy, spawn_serving
-from tests.fakebackend import FakeBackend, serve_fake_backend
+from tests.fakebackend import FakeBackend
 
 pytestmark = pytest.mark.slow
 
 #: The bound each cause is held to, both ways.
 WITHIN_S = 5.0
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-
-
-@pytest.fixture
-async def backend(nursery: trio.Nursery) -> FakeBackend:
-    state = FakeBackend()
-    await nursery.start(serve_fake_backend, state)
-    return state
 
 
 async def health(client: httpx.AsyncClient) -> dict[str, Any]:
