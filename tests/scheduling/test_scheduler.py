@@ -456,3 +456,29 @@ async def test_the_backends_call_time_is_learned_from_its_calls(
             await trio.sleep(seconds)
             end(sched, lease, 200, StepUsage(90, 10, 0))
         assert sched.views().backend(B0).call_s == 2.0
+
+
+async def test_a_held_call_gives_the_room_its_programs_ended_call_kept_to_a_waiting_program(
+    harness: Harness, mock_clock: trio.testing.MockClock
+) -> None:
+    # Three calls of one program in flight, a newcomer waiting for room. One call ends, and
+    # the room its context left is kept for the program's next call. That call comes and is
+    # held (it does not pass the program waiting): the kept room is the held call's claim
+    # now, no longer counted beside it, and the waiting program fits. Counted twice, it did
+    # not, nor did the held call: twelve threads under one id made 27 calls in 40 s.
+    sched = harness.scheduler
+    leases = [await begin(sched, "many", arrived_at=0.0, context_chars=2_500 * 4) for _ in range(3)]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(harness.step, "newcomer", 3_000))
+        await trio.testing.wait_all_tasks_blocked()
+        assert sched.registry.get("newcomer").status is ProgramStatus.PAUSED
+        end(sched, leases[0], 200, StepUsage(2_400, 100, 0))
+        nursery.start_soon(partial(begin, sched, "many", arrived_at=0.0, context_chars=10_000))
+        await trio.testing.wait_all_tasks_blocked()
+        assert sched.registry.get("many").held_calls == 1
+        sched.rebalance(0.0)
+        await trio.testing.wait_all_tasks_blocked()
+        # 5,000 in flight: the newcomer's 3,000 fit 10,000, the held call's 2,500 after it not.
+        assert sched.registry.get("newcomer").step_count == 1
+        assert sched.registry.get("many").held_calls == 1
+        nursery.cancel_scope.cancel()
