@@ -109,3 +109,17 @@ def test_paused_programs_of_the_client_holding_the_least_resume_first() -> None:
     ]
     decisions = policy.resume([b], programs, CFG, 6.0)
     assert [d.program_id for d in decisions][:1] == ["alice-1"]
+
+
+def test_a_client_within_its_share_is_not_moved_for_anothers_overflow() -> None:
+    # Bob's one program has its calls held (nothing of it to pause or mark) and the contexts
+    # its ended calls left fill the cache; alice's one idle program is within an equal share.
+    # Ordered by use alone, alice's was the only program to pause, and was paused.
+    bob = prog("bob-1", A, 2_000, held=5, waiting_since=9.0, ended=(9.5,) * 4, client="bob")
+    alice = prog("alice-1", A, 2_000, acting_since=9.9, client="alice")
+    assert policy.used_tokens(backend(10_000), [bob, alice], CFG, 10.0) > 10_000
+    assert policy.enforce(backend(10_000), [bob, alice], CFG, 10.0) == []
+    # Without clients (or with one) it is paused as before.
+    plain = [ProgramView(**{**p.__dict__, "client": None}) for p in (bob, alice)]
+    decisions = policy.enforce(backend(10_000), plain, CFG, 10.0)
+    assert [(d.action, d.program_id) for d in decisions] == [(Action.PAUSE, "alice-1")]
