@@ -43,6 +43,8 @@ from .backends import BackendPool, open_backend_pool
 from .backends.poller import serve_metrics_poller, wait_until_ready
 from .clock import WallClock
 from .config import RECOGNITION_SOURCES, Settings, load_settings, recognition_sources
+from .council import open_council, serve_council
+from .council.gateway_client import GatewayChatClient
 from .descriptors import quiet_trio_accept_log
 from .errors import ConfigError
 from .explore import mount_datasette
@@ -51,8 +53,6 @@ from .http.app import Services, create_app
 from .http.drain import drain_then_stop
 from .http.front import serve_front
 from .http.readiness import Readiness
-from .jobs import open_council, serve_council
-from .jobs.gateway_client import GatewayChatClient
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
 from .protocols.recognition import ProgramRecognizer, RecognitionConfig

@@ -24,8 +24,8 @@ from typing import Any
 import trio
 
 from ..errors import InvalidRequest
-from . import council, pipeline
-from .council import MemberAnswer, MemberRanking
+from . import deliberation, pipeline
+from .deliberation import MemberAnswer, MemberRanking
 from .errors import JobFailed, JobRunning, StoreUnavailable, TooManyJobs
 from .llm import ChatClient, ForClient
 from .pipeline import CouncilConfig
@@ -373,7 +373,7 @@ class CouncilRunner:
             if message.get("job_id") == job_id:
                 earlier = earlier[: max(0, index - 1)]
                 break
-        turns = council.turns_from_messages(earlier)
+        turns = deliberation.turns_from_messages(earlier)
         if job["last_seq"]:
             await store.update_job(job_id, resumes=job["resumes"] + 1)
             await emit("resumed", {"completed_stage": done})
@@ -396,7 +396,7 @@ class CouncilRunner:
             rankings, label_to_model, failed2 = await pipeline.stage2(
                 client, config, job_id, question, answers, emit
             )
-            standings = council.aggregate(rankings, label_to_model)
+            standings = deliberation.aggregate(rankings, label_to_model)
             stage2 = [{**asdict(r), "parsed_ranking": list(r.parsed_ranking)} for r in rankings]
             metadata.update(
                 label_to_model=label_to_model,
@@ -414,7 +414,7 @@ class CouncilRunner:
                 MemberRanking(r["model"], r["ranking"], tuple(r["parsed_ranking"]))
                 for r in job["stage2"]
             ]
-            standings = [council.Standing(**s) for s in metadata.get("aggregate_rankings", [])]
+            standings = [deliberation.Standing(**s) for s in metadata.get("aggregate_rankings", [])]
 
         if done < 3:
             await store.update_job(job_id, status="stage3")

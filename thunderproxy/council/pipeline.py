@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import trio
 
-from . import council
-from .council import MemberAnswer, MemberRanking, Turn
+from . import deliberation
+from .deliberation import MemberAnswer, MemberRanking, Turn
 from .errors import JobFailed, MemberFailed
 from .llm import ChatClient, ChatRequest, TextDelta, ToolCall, closing
 from .tools import Toolbox, answer_with_tools
@@ -112,7 +112,7 @@ async def stage1(
             return await answer_with_tools(
                 client,
                 model=model,
-                messages=council.stage1_history(turns, model, question),
+                messages=deliberation.stage1_history(turns, model, question),
                 program_id=program_id(job_id, model),
                 toolbox=toolbox,
                 on_text=chunks.add,
@@ -176,9 +176,9 @@ async def stage2(
     answers: Sequence[MemberAnswer],
     emit: Emit,
 ) -> tuple[list[MemberRanking], dict[str, str], list[dict[str, str]]]:
-    label_to_model, responses_text = council.anonymize(answers)
+    label_to_model, responses_text = deliberation.anonymize(answers)
     await emit("stage2_start", {"label_to_model": label_to_model})
-    prompt = council.stage2_prompt(question, responses_text)
+    prompt = deliberation.stage2_prompt(question, responses_text)
     rankings: dict[str, MemberRanking] = {}
     failed: dict[str, str] = {}
     rankers = [a.model for a in answers]
@@ -201,7 +201,7 @@ async def stage2(
             failed[model] = error or "no ranking"
             await emit("stage2_member", {"model": model, "ok": False, "error": failed[model]})
             return
-        parsed = council.parse_ranking(text, known=list(label_to_model))
+        parsed = deliberation.parse_ranking(text, known=list(label_to_model))
         rankings[model] = MemberRanking(model, text, parsed)
         await emit(
             "stage2_member",
@@ -224,21 +224,21 @@ async def stage3(
     turns: Sequence[Turn],
     answers: Sequence[MemberAnswer],
     rankings: Sequence[MemberRanking],
-    standings: Sequence[council.Standing],
+    standings: Sequence[deliberation.Standing],
     emit: Emit,
 ) -> dict[str, Any]:
     """The chairman's synthesis. A chairman that fails leaves the council's top-ranked answer
     as the result, marked so, rather than losing the whole deliberation."""
     model = config.chairman
     await emit("stage3_start", {"model": model})
-    prompt = council.stage3_prompt(question, answers, rankings)
+    prompt = deliberation.stage3_prompt(question, answers, rankings)
     chunks = Chunker(emit, "stage3_chunk", model)
 
     async def work() -> str:
         return await stream_text(
             client,
             model=model,
-            messages=council.stage3_history(turns, prompt),
+            messages=deliberation.stage3_history(turns, prompt),
             program=program_id(job_id, model),
             chunks=chunks,
             max_tokens=config.max_tokens,
@@ -265,15 +265,15 @@ async def title(
         return await stream_text(
             client,
             model=config.title_model,
-            messages=[{"role": "user", "content": council.title_prompt(question)}],
+            messages=[{"role": "user", "content": deliberation.title_prompt(question)}],
             program=program_id(job_id, config.title_model),
             chunks=None,
             max_tokens=24,
         )
 
     text, _ = await _member(config.title_model, config.member_timeout_s, work)
-    return council.clean_title(text) if text else None
+    return deliberation.clean_title(text) if text else None
 
 
-def standings_json(standings: Sequence[council.Standing]) -> list[dict[str, Any]]:
+def standings_json(standings: Sequence[deliberation.Standing]) -> list[dict[str, Any]]:
     return [asdict(s) for s in standings]

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import trio
 
-from tests.jobs.fakes import ScriptedClient
-from thunderproxy.jobs import pipeline
-from thunderproxy.jobs.council import MemberAnswer, Standing
-from thunderproxy.jobs.errors import JobFailed, MemberFailed
-from thunderproxy.jobs.pipeline import CouncilConfig
+from tests.council.fakes import ScriptedClient
+from thunderproxy.council import pipeline
+from thunderproxy.council.deliberation import MemberAnswer, Standing
+from thunderproxy.council.errors import JobFailed, MemberFailed
+from thunderproxy.council.pipeline import CouncilConfig
 
 CONFIG = CouncilConfig(
     members=("fast", "slow", "broken"), chairman="fast", title_model="fast", member_timeout_s=60

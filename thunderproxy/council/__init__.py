@@ -1,7 +1,7 @@
 """Council jobs (seed 004): several models answer, rank each other's anonymized answers and a
 chairman synthesises, every member's calls a scheduled program, every event durable in SQLite.
 
-Layers: ``council.py`` (pure: prompts, labels, ranking parsing, aggregation, histories),
+Layers: ``deliberation.py`` (pure: prompts, labels, ranking parsing, aggregation, histories),
 ``tools.py`` (fetch_url, web_search, the tool loop), ``llm.py`` (the ``ChatClient`` protocol,
 ``HttpChatClient``), ``pipeline.py`` (the three stages), ``store.py`` (SQLite),
 ``runner.py`` (jobs in the runtime nursery, replay, resume), ``routes.py`` (HTTP, the page in
@@ -20,7 +20,7 @@ from quart import Blueprint
 from ..backends.http import tls_context
 from ..config import Settings
 from ..errors import ConfigError
-from .council import MAX_MEMBERS
+from .deliberation import MAX_MEMBERS
 from .llm import ChatClient, ChatEvent, Finished, HttpChatClient, TextDelta, ToolCall
 from .pipeline import CouncilConfig
 from .routes import create_blueprint

@@ -36,7 +36,7 @@ STATIC_TYPES = {
 
 def _static(name: str) -> bytes | None:
     # Package data, read through importlib.resources: works from a wheel or the zipapp.
-    entry = resources.files("thunderproxy.jobs") / "static" / name
+    entry = resources.files("thunderproxy.council") / "static" / name
     return entry.read_bytes() if entry.is_file() else None
 
 

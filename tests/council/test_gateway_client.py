@@ -8,11 +8,11 @@ from pathlib import Path
 import trio
 
 from tests.conftest import query
-from tests.jobs.helpers import MODELS, council_proxy
-from thunderproxy.jobs.gateway_client import GatewayChatClient
-from thunderproxy.jobs.pipeline import CouncilConfig
-from thunderproxy.jobs.runner import CouncilRunner
-from thunderproxy.jobs.store import JobStore
+from tests.council.helpers import MODELS, council_proxy
+from thunderproxy.council.gateway_client import GatewayChatClient
+from thunderproxy.council.pipeline import CouncilConfig
+from thunderproxy.council.runner import CouncilRunner
+from thunderproxy.council.store import JobStore
 
 
 async def test_a_council_runs_on_the_gateway_in_process(
