@@ -1,4 +1,4 @@
-"""Council jobs (seed 004): several models answer, rank each other's anonymized answers and a
+"""Council jobs (docs/COUNCIL.md): several models answer, rank each other's anonymized answers and a
 chairman synthesises, every member's calls a scheduled program, every event durable in SQLite.
 
 Layers: ``deliberation.py`` (pure: prompts, labels, ranking parsing, aggregation, histories),

@@ -1,5 +1,5 @@
 """``create_app``: the Quart-Trio app. Routes only translate HTTP into calls on the services
-and their answers back into JSON; the shapes follow the seed API (seed 001)."""
+and their answers back into JSON, in the shapes README's "HTTP API" table gives."""
 
 from __future__ import annotations
 
