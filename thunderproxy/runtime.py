@@ -524,7 +524,8 @@ async def run(
             if background.cancelled:
                 return
             readiness.set_ready()
-            # Council jobs call the proxy's own URL: they start (or resume) once it serves.
+            # Council jobs call the gateway in process; they start (or resume) once LLM calls
+            # are served, like any client's.
             await nursery.start(
                 _component(
                     background,
@@ -534,7 +535,6 @@ async def run(
                         serve_council,
                         council,
                         settings,
-                        binds[0],
                         shutdown=shutdown,
                         client=GatewayChatClient(gateway),
                     ),
