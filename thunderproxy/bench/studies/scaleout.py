@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 import trio
 
-from ...scaleout import worker_db
+from ...scaleout import process_db
 from ...sim import SimConfig
 from ..agents.agent import BenchError
 from ..runs.realtime import (
@@ -298,7 +298,7 @@ async def run_arrangement(config: ScaleoutConfig, arrangement: str, tmp: Path) -
             redis.kill()
     if arrangement == "shared":
         outcome.calls_per_worker = [
-            calls_in(Path(worker_db(str(db), k))) for k in range(1, processes + 1)
+            calls_in(Path(process_db(str(db), k))) for k in range(1, processes + 1)
         ]
     return outcome
 
