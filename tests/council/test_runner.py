@@ -58,9 +58,9 @@ async def test_a_second_question_carries_each_members_history(
     ]
     job = await runner.store.get_job(second)
     assert job is not None
-    assert job["status"] == "complete"
+    assert job.status == "complete"
     # Only the first question titles the conversation.
-    assert job["title_model"] is None
+    assert job.title_model is None
     conversation_row = await runner.store.get_conversation(conversation)
     assert conversation_row is not None
     assert conversation_row["title"] == "A title"
