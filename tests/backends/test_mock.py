@@ -38,3 +38,10 @@ async def test_a_silence_in_a_mock_answer_takes_its_time(
     response = await MockBackend(slow).send(UpstreamRequest("GET", "/"))
     assert [chunk async for chunk in response.aiter_raw()] == [b"a", b"b"]
     assert trio.current_time() - began == pytest.approx(7.0)
+
+
+async def test_a_mock_backend_told_not_to_keep_keeps_nothing() -> None:
+    backend = MockBackend(lambda request: MockResponse(204), keep=False)
+    for _ in range(3):
+        assert (await backend.send(UpstreamRequest("GET", "/"))).status_code == 204
+    assert (backend.sent, backend.responses) == ([], [])

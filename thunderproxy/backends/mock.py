@@ -5,7 +5,8 @@ no model server behind them.
 The handler gets each :class:`UpstreamRequest` and returns the answer (a ``MockResponse``, or
 any ``UpstreamResponse``), directly or awaited; it may raise a ``BackendError`` as a backend
 does, or sleep (trio time) to be slow. The backend keeps what it was sent and what it answered,
-in order. Built with no handler, it fails any send: for code that must send nothing.
+in order (``keep=False``: nothing, for a measurement that makes many calls). Built with no
+handler, it fails any send: for code that must send nothing.
 
     backend = MockBackend(lambda request: MockResponse(200, chunks=[b'{"ok": true}']))
     pool.attach("http://mock", backend, models=["m"])
@@ -63,16 +64,20 @@ def _sends_nothing(request: UpstreamRequest) -> UpstreamResponse:
 
 
 class MockBackend:
-    """A backend whose every answer ``handler`` gives; ``sent`` and ``responses`` record them."""
+    """A backend whose every answer ``handler`` gives; ``sent`` and ``responses`` record them
+    unless ``keep`` is False."""
 
-    def __init__(self, handler: Handler = _sends_nothing) -> None:
+    def __init__(self, handler: Handler = _sends_nothing, *, keep: bool = True) -> None:
         self.handler = handler
+        self.keep = keep
         self.sent: list[UpstreamRequest] = []
         self.responses: list[UpstreamResponse] = []
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
-        self.sent.append(request)
+        if self.keep:
+            self.sent.append(request)
         answer = self.handler(request)
         response = await answer if inspect.isawaitable(answer) else answer
-        self.responses.append(response)
+        if self.keep:
+            self.responses.append(response)
         return response
