@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import re
 import shutil
@@ -22,21 +24,33 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 import trio
 from hypothesis import HealthCheck, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
+from thunderproxy.audit import AuditLog
+from thunderproxy.audit.records import AuditRecord
+from thunderproxy.backends import BackendPool, UpstreamRequest
+from thunderproxy.backends.mock import MockBackend, MockResponse
 from thunderproxy.config import load_settings
+from thunderproxy.gateway import Gateway
+from thunderproxy.programs import ProgramRegistry
+from thunderproxy.programs.profile import Profiles
 from thunderproxy.runtime import RunningProxy, run
+from thunderproxy.scheduling import DefaultPolicy, Scheduler
+from thunderproxy.scheduling.policy import PolicyConfig
 
 if TYPE_CHECKING:
     from tests.fakebackend import FakeBackend
+    from tests.fuzzbackend import FuzzBackend
 
 # The suite runs on two shared cores: how long an example takes there says nothing about the
 # code, so neither a per-example deadline nor the "too slow" health check may fail a test.
@@ -219,3 +233,113 @@ async def backend(nursery: trio.Nursery) -> FakeBackend:
     state = FakeBackend()
     await nursery.start(serve_fake_backend, state)
     return state
+
+
+# --- a gateway over a scripted in-process backend ----------------------------------------------
+
+URL = "http://fake"
+USAGE = {
+    "prompt_tokens": 30,
+    "completion_tokens": 2,
+    "prompt_tokens_details": {"cached_tokens": 16},
+}
+EVENTS = [
+    b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n',
+    b'data: {"choices":[],"usage":' + json.dumps(USAGE).encode() + b"}\n\n",
+    b"data: [DONE]\n\n",
+]
+
+
+class ScriptedBackend(MockBackend):
+    """A ``MockBackend`` answering every call alike: after ``delay`` (trio seconds), ``error``
+    raised, or a stream of ``chunks`` (a number among them: that many seconds of silence) with
+    ``status``. Each may be changed between calls."""
+
+    def __init__(
+        self,
+        status: int = 200,
+        chunks: Sequence[bytes | float] = tuple(EVENTS),
+        error: Exception | None = None,
+        delay: float = 0.0,
+    ) -> None:
+        super().__init__(self.answer)
+        self.status = status
+        self.chunks = chunks
+        self.error = error
+        self.delay = delay
+
+    async def answer(self, request: UpstreamRequest) -> MockResponse:
+        if self.delay:
+            await trio.sleep(self.delay)
+        if self.error is not None:
+            raise self.error
+        return MockResponse(self.status, [("content-type", "text/event-stream")], self.chunks)
+
+
+@dataclass
+class Rig:
+    """A gateway with the default policy over one backend at ``URL`` (serving ``m`` and
+    ``served-coder``, the alias ``coder``'s target), its audit records kept in a channel."""
+
+    gateway: Gateway
+    backend: ScriptedBackend
+    receive: trio.MemoryReceiveChannel[AuditRecord]
+
+    def records(self, kind: type[Any]) -> list[Any]:
+        out = []
+        while True:
+            try:
+                record = self.receive.receive_nowait()
+            except trio.WouldBlock:
+                return [r for r in out if isinstance(r, kind)]
+            out.append(record)
+
+    @property
+    def node(self) -> Any:
+        return self.gateway.pool.get(URL)
+
+
+def rig(backend: ScriptedBackend, **timeouts: float) -> Rig:
+    send, receive = trio.open_memory_channel[AuditRecord](1000)
+    audit = AuditLog(send, run_id=1)
+    pool = BackendPool(aliases={"coder": ["served-coder"]})
+    pool.attach(URL, backend, models=["served-coder", "m"])
+    scheduler = Scheduler(
+        policy=DefaultPolicy(PolicyConfig()),
+        registry=ProgramRegistry(),
+        pool=pool,
+        audit=audit,
+    )
+    gateway = Gateway(pool=pool, scheduler=scheduler, audit=audit, profiles=Profiles(), **timeouts)
+    return Rig(gateway, backend, receive)
+
+
+# --- a proxy hypothesis drives -----------------------------------------------------------------
+
+
+@dataclass
+class Live:
+    """A fuzz backend and a proxy in front of it, on a trio loop of their own, with a plain
+    client: what hypothesis's synchronous examples drive (``live_fuzz_proxy``)."""
+
+    client: httpx.Client
+    backend: FuzzBackend
+    proxy: RunningProxy
+    db: Path
+    cases: Iterator[int] = field(default_factory=itertools.count)
+
+
+@contextmanager
+def live_fuzz_proxy(folder: Path, **overrides: Any) -> Iterator[Live]:
+    """A ``Live`` whose audit db is in ``folder``; ``overrides`` are the proxy's settings."""
+    # Imported here: fakebackend imports this module (running_proxy).
+    from tests.fakebackend import proxy_in_thread
+    from tests.fuzzbackend import FuzzBackend, serve_fuzz_backend
+
+    db = folder / "audit.db"
+    backend = FuzzBackend()
+    with (
+        proxy_in_thread(serve_fuzz_backend, backend, db, **overrides) as proxy,
+        httpx.Client(base_url=proxy.url, timeout=30) as client,
+    ):
+        yield Live(client, backend, proxy, db)

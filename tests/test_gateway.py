@@ -6,118 +6,21 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from thunderproxy.audit import AuditLog, StepRecord
-from thunderproxy.audit.records import AuditRecord, RejectionRecord
-from thunderproxy.backends import BackendPool, UpstreamRequest
+from tests.conftest import EVENTS, URL, ScriptedBackend, rig
+from thunderproxy.audit import StepRecord
+from thunderproxy.audit.records import RejectionRecord
 from thunderproxy.errors import (
     BackendTimeout,
     BackendUnavailable,
     ModelNotFound,
 )
-from thunderproxy.gateway import Call, Gateway
+from thunderproxy.gateway import Call
 from thunderproxy.http.sse import OPENAI
-from thunderproxy.programs import ProgramRegistry
-from thunderproxy.programs.profile import Profiles
-from thunderproxy.scheduling import DefaultPolicy, Scheduler
-from thunderproxy.scheduling.policy import PolicyConfig
-
-URL = "http://fake"
-USAGE = {
-    "prompt_tokens": 30,
-    "completion_tokens": 2,
-    "prompt_tokens_details": {"cached_tokens": 16},
-}
-EVENTS = [
-    b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n',
-    b'data: {"choices":[],"usage":' + json.dumps(USAGE).encode() + b"}\n\n",
-    b"data: [DONE]\n\n",
-]
-
-
-class ScriptedResponse:
-    def __init__(self, status: int, chunks: Sequence[bytes | float], headers: Any) -> None:
-        self.status_code = status
-        self.headers = headers
-        self._chunks = chunks
-        self.closed = False
-
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        for chunk in self._chunks:
-            if isinstance(chunk, float):
-                await trio.sleep(chunk)  # the backend goes silent this long
-            else:
-                yield chunk
-
-    async def aread(self) -> bytes:
-        return b"".join(c for c in self._chunks if isinstance(c, bytes))
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-@dataclass
-class ScriptedBackend:
-    status: int = 200
-    chunks: Sequence[bytes | float] = tuple(EVENTS)
-    error: Exception | None = None
-    delay: float = 0.0
-    sent: list[UpstreamRequest] = field(default_factory=list)
-    responses: list[ScriptedResponse] = field(default_factory=list)
-
-    async def send(self, request: UpstreamRequest) -> ScriptedResponse:
-        self.sent.append(request)
-        if self.delay:
-            await trio.sleep(self.delay)
-        if self.error is not None:
-            raise self.error
-        response = ScriptedResponse(
-            self.status, self.chunks, [("content-type", "text/event-stream")]
-        )
-        self.responses.append(response)
-        return response
-
-
-@dataclass
-class Rig:
-    gateway: Gateway
-    backend: ScriptedBackend
-    receive: trio.MemoryReceiveChannel[AuditRecord]
-
-    def records(self, kind: type[Any]) -> list[Any]:
-        out = []
-        while True:
-            try:
-                record = self.receive.receive_nowait()
-            except trio.WouldBlock:
-                return [r for r in out if isinstance(r, kind)]
-            out.append(record)
-
-    @property
-    def node(self) -> Any:
-        return self.gateway.pool.get(URL)
-
-
-def rig(backend: ScriptedBackend, **timeouts: float) -> Rig:
-    send, receive = trio.open_memory_channel[AuditRecord](1000)
-    audit = AuditLog(send, run_id=1)
-    pool = BackendPool(aliases={"coder": ["served-coder"]})
-    pool.attach(URL, backend, models=["served-coder", "m"])
-    scheduler = Scheduler(
-        policy=DefaultPolicy(PolicyConfig()),
-        registry=ProgramRegistry(),
-        pool=pool,
-        audit=audit,
-    )
-    gateway = Gateway(pool=pool, scheduler=scheduler, audit=audit, profiles=Profiles(), **timeouts)
-    return Rig(gateway, backend, receive)
 
 
 def call(model: str = "m", *, stream: bool = True) -> Call:

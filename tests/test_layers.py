@@ -26,7 +26,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "council_demo",
         "scaleout",
         "runtime",
-        "jobs worker explore",
+        "council worker explore",
         "http",
         "admission",
         "gateway",

@@ -43,6 +43,8 @@ from .backends import BackendPool, open_backend_pool
 from .backends.poller import serve_metrics_poller, wait_until_ready
 from .clock import WallClock
 from .config import RECOGNITION_SOURCES, Settings, load_settings, recognition_sources
+from .council import open_council, serve_council
+from .council.gateway_client import GatewayChatClient
 from .descriptors import quiet_trio_accept_log
 from .errors import ConfigError
 from .explore import mount_datasette
@@ -51,8 +53,6 @@ from .http.app import Services, create_app
 from .http.drain import drain_then_stop
 from .http.front import serve_front
 from .http.readiness import Readiness
-from .jobs import open_council, serve_council
-from .jobs.gateway_client import GatewayChatClient
 from .programs import ProgramRegistry, restore
 from .programs.profile import Profiles
 from .protocols.recognition import ProgramRecognizer, RecognitionConfig
@@ -524,7 +524,8 @@ async def run(
             if background.cancelled:
                 return
             readiness.set_ready()
-            # Council jobs call the proxy's own URL: they start (or resume) once it serves.
+            # Council jobs call the gateway in process; they start (or resume) once LLM calls
+            # are served, like any client's.
             await nursery.start(
                 _component(
                     background,
@@ -534,7 +535,6 @@ async def run(
                         serve_council,
                         council,
                         settings,
-                        binds[0],
                         shutdown=shutdown,
                         client=GatewayChatClient(gateway),
                     ),

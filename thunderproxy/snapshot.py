@@ -1,7 +1,10 @@
-"""``Statistics``: one frozen snapshot of the running proxy, taken in one place.
+"""``Snapshot``: the running proxy's state at one moment (programs by state, backends, the audit
+writer, admission, shared KV claims, components, file descriptors), taken in one place.
 
-``/health``, ``/metrics`` (JSON, and Prometheus text) and any reporter read this instead of
-each walking the registry and the pool; it is cheap to take and never changes after.
+``/health``, JSON ``/metrics`` and worker mode's load reports read it instead of each walking
+the registry and the pool; Prometheus' figures are built from it (``statistics.ProxyStatistics``,
+which adds what the proxy counted since it started). It is cheap to take and never changes
+after.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from .supervision import ComponentStatistics
 
 
 @dataclass(frozen=True)
-class BackendStatistics:
+class BackendSnapshot:
+    """One backend as the pool knows it now: health, calls in flight, models, its last metrics
+    and the load its programs put on it."""
+
     url: str
     healthy: bool
     last_error: str | None
@@ -37,11 +43,13 @@ class BackendStatistics:
 
 
 @dataclass(frozen=True)
-class Statistics:
+class Snapshot:
+    """The proxy's state at one moment (``take``)."""
+
     router: str
     programs: int
     by_status: dict[ProgramStatus, int]
-    backends: tuple[BackendStatistics, ...]
+    backends: tuple[BackendSnapshot, ...]
     served_models: tuple[str, ...]
     audit: AuditStatistics
     #: Limits, usage and queues per model and class (docs/LIMITS.md); None without [limits].
@@ -82,7 +90,7 @@ def take(
     admission: Mapping[str, Any] | None = None,
     shared_kv: Mapping[str, Any] | None = None,
     components: tuple[ComponentStatistics, ...] = (),
-) -> Statistics:
+) -> Snapshot:
     loads = registry.load_by_backend()
     shown: Mapping[str, Any] | None = None
     try:
@@ -93,12 +101,12 @@ def take(
         # Counting takes a descriptor, and its failure is noted: the clock is read after it.
         found = descriptors.usage()
         shown = descriptors.current().as_dict(trio.current_time(), found)
-    return Statistics(
+    return Snapshot(
         router=router,
         programs=len(registry),
         by_status=registry.counts(),
         backends=tuple(
-            BackendStatistics(
+            BackendSnapshot(
                 url=node.url,
                 healthy=node.healthy,
                 last_error=node.last_error,

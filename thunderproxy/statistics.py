@@ -1,8 +1,11 @@
-"""The proxy's own statistics: one frozen snapshot that every reader (JSON /metrics, Prometheus,
-/health, load reports) renders, and the histogram accumulator the core fills as steps finish.
+"""The proxy's own statistics, as Prometheus is shown them: what it counted since it started
+(``Counters``, fed every audit record: steps, refusals, pauses and resumes, calls and tokens,
+latency histograms) and ``ProxyStatistics``, those counts frozen together with the figures of
+one ``snapshot.Snapshot`` (the state at that moment) for ``http/readouts/prometheus.py`` to
+render.
 
-The core owns the counting (``Counters``, fed every audit record); readers only ever see a
-``ProxyStatistics``, so rendering never touches live state and needs no locks.
+The core owns the counting; the renderer only ever sees a ``ProxyStatistics``, so rendering
+never touches live state and needs no locks.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from .audit.records import RejectionRecord, StepRecord, TransitionRecord
 from .programs import ProgramStatus
 
 if TYPE_CHECKING:
-    from .snapshot import Statistics
+    from .snapshot import Snapshot
 
 #: Upper bounds (seconds) of the latency buckets: from a cached prefill (milliseconds) to a wait
 #: behind a paused program (minutes). Fixed, so histograms from different runs add up.
@@ -121,7 +124,8 @@ class Histograms:
 
 @dataclass(frozen=True)
 class BackendStatistics:
-    """One backend as the poller and the scheduler see it (None: not known, e.g. no metrics)."""
+    """One backend's figures for Prometheus, from its ``BackendSnapshot`` (None: not known,
+    e.g. no metrics)."""
 
     url: str
     healthy: bool
@@ -137,7 +141,8 @@ def _frozen(mapping: Mapping[str, int] | None) -> Mapping[str, int]:
 
 @dataclass(frozen=True)
 class ProxyStatistics:
-    """Everything the proxy reports about itself at one moment."""
+    """Everything Prometheus is shown at one moment: a ``Snapshot``'s figures flattened to
+    labels and numbers, and the counts since start (``Counters.view``)."""
 
     #: Programs per state ("reasoning", "acting", "paused", ...).
     programs_by_state: Mapping[str, int] = field(default_factory=lambda: _frozen(None))
@@ -180,7 +185,7 @@ class ProxyStatistics:
 
 
 def from_snapshot(
-    snapshot: Statistics,
+    snapshot: Snapshot,
     *,
     steps_by_status: Mapping[str, int] | None = None,
     pauses: int = 0,
@@ -300,7 +305,7 @@ class Counters:
         self.histograms.observe("prefill", first - step.sent_at)
         self.histograms.observe("decode", step.finished_at - first)
 
-    def view(self, snapshot: Statistics) -> ProxyStatistics:
+    def view(self, snapshot: Snapshot) -> ProxyStatistics:
         """The Prometheus view of ``snapshot`` with these counters."""
         return from_snapshot(
             snapshot,

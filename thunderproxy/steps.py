@@ -17,7 +17,7 @@ class ProgramStatus(StrEnum):
 
     @property
     def lifecycle(self) -> str:
-        """The seed API's ``state`` field: active, paused or terminated."""
+        """The ``state`` field ``/programs`` shows: active, paused or terminated."""
         if self is ProgramStatus.PAUSED:
             return "paused"
         if self is ProgramStatus.STOPPED:

@@ -7,21 +7,16 @@ import logging
 import pytest
 
 from thunderproxy.backends import BackendPool
-from thunderproxy.backends.base import UpstreamRequest
+from thunderproxy.backends.mock import MockBackend
 from thunderproxy.backends.pool import MAX_CACHED_ROUTES
 from thunderproxy.errors import ModelNotFound
 
 
-class Unused:
-    async def send(self, request: UpstreamRequest) -> None:
-        raise AssertionError("routing never sends")
-
-
 def pool() -> BackendPool:
     p = BackendPool(aliases={"coder": ["qwen-32b", "qwen-8b"], "ghost": ["nowhere"]})
-    p.attach("http://a", Unused(), models=["qwen-32b"])
-    p.attach("http://b", Unused(), models=["qwen-8b", "llama-8b"])
-    p.attach("http://c", Unused(), models=["llama-8b"])
+    p.attach("http://a", MockBackend(), models=["qwen-32b"])
+    p.attach("http://b", MockBackend(), models=["qwen-8b", "llama-8b"])
+    p.attach("http://c", MockBackend(), models=["llama-8b"])
     return p
 
 
@@ -56,7 +51,7 @@ def test_an_unknown_model_lists_what_is_served() -> None:
 
 def test_before_its_models_are_known_a_node_serves_anything() -> None:
     p = BackendPool()
-    p.attach("http://x", Unused())
+    p.attach("http://x", MockBackend())
     assert p.route("anything").urls == {"http://x"}
     assert p.route(None).urls == {"http://x"}
 
@@ -76,9 +71,9 @@ def test_a_model_resolved_before_follows_the_nodes_and_what_they_serve() -> None
     node.models = frozenset({"qwen-8b"})  # as the poller replaces them
     assert p.route("llama-8b").urls == {"http://b"}
     assert p.route("qwen-8b").urls == {"http://b", "http://c"}
-    p.attach("http://d", Unused(), models=["llama-8b"])
+    p.attach("http://d", MockBackend(), models=["llama-8b"])
     assert p.route("llama-8b").urls == {"http://b", "http://d"}
-    replaced = p.attach("http://d", Unused(), models=["llama-8b"])  # the same name, a new node
+    replaced = p.attach("http://d", MockBackend(), models=["llama-8b"])  # the same name, a new node
     assert replaced in p.route("llama-8b").nodes
     node.models = frozenset()
     with pytest.raises(ModelNotFound):
@@ -93,7 +88,7 @@ def test_a_model_resolved_before_follows_the_nodes_and_what_they_serve() -> None
 
 def test_names_made_up_by_clients_do_not_grow_the_resolved_set_without_bound() -> None:
     p = BackendPool()
-    p.attach("http://x", Unused())  # serves any name until its models are known
+    p.attach("http://x", MockBackend())  # serves any name until its models are known
     for i in range(3 * MAX_CACHED_ROUTES):
         assert p.route(f"model-{i}").served == f"model-{i}"
     assert len(p._groups) <= MAX_CACHED_ROUTES
@@ -106,7 +101,7 @@ def test_an_alias_pattern_takes_names_nothing_serves_most_specific_first() -> No
     p = BackendPool(
         aliases={"claude-*": ["llama-8b"], "claude-3-*": ["qwen-32b"], "coder": ["qwen-8b"]}
     )
-    p.attach("http://a", Unused(), models=["qwen-32b", "qwen-8b", "llama-8b"])
+    p.attach("http://a", MockBackend(), models=["qwen-32b", "qwen-8b", "llama-8b"])
     opus = p.route("claude-opus-4-8")
     assert (opus.requested, opus.served, opus.fallback) == (
         "claude-opus-4-8",
@@ -126,7 +121,7 @@ def test_an_alias_pattern_takes_names_nothing_serves_most_specific_first() -> No
 def test_default_model_takes_every_name_nothing_serves(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "thunderproxy.backends")
     p = BackendPool(default_model="qwen-8b")
-    p.attach("http://a", Unused(), models=["qwen-32b", "qwen-8b"])
+    p.attach("http://a", MockBackend(), models=["qwen-32b", "qwen-8b"])
     for _ in range(3):
         route = p.route("claude-opus-4-8")
         assert (route.served, route.fallback) == ("qwen-8b", "default_model")
@@ -143,8 +138,8 @@ def test_default_model_takes_every_name_nothing_serves(caplog: pytest.LogCapture
 
 def test_with_one_model_served_and_nothing_set_unknown_names_go_to_it() -> None:
     p = BackendPool()
-    p.attach("http://a", Unused(), models=["qwen3-coder"])
-    p.attach("http://b", Unused(), models=["qwen3-coder"])
+    p.attach("http://a", MockBackend(), models=["qwen3-coder"])
+    p.attach("http://b", MockBackend(), models=["qwen3-coder"])
     assert p.unknown_names_go_to() == ("qwen3-coder", "the only model served")
     route = p.route("claude-haiku-4-5")
     assert (route.served, route.fallback, route.urls) == (
@@ -153,7 +148,7 @@ def test_with_one_model_served_and_nothing_set_unknown_names_go_to_it() -> None:
         {"http://a", "http://b"},
     )
     # Two models: which one a made-up name meant is not the proxy's guess.
-    p.attach("http://c", Unused(), models=["llama-8b"])
+    p.attach("http://c", MockBackend(), models=["llama-8b"])
     assert p.unknown_names_go_to() is None
     with pytest.raises(ModelNotFound) as caught:
         p.route("claude-haiku-4-5")
@@ -162,7 +157,7 @@ def test_with_one_model_served_and_nothing_set_unknown_names_go_to_it() -> None:
 
 def test_default_model_none_refuses_names_nothing_serves_even_with_one_model() -> None:
     p = BackendPool(default_model="none")
-    p.attach("http://a", Unused(), models=["qwen3-coder"])
+    p.attach("http://a", MockBackend(), models=["qwen3-coder"])
     assert p.unknown_names_go_to() is None
     with pytest.raises(ModelNotFound):
         p.route("claude-opus-4-8")

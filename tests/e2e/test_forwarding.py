@@ -19,18 +19,10 @@ from tests.fakebackend import (
     LoopbackBackend,
     create_backend_app,
     serve_backend,
-    serve_fake_backend,
 )
 from thunderproxy.runtime import RunningProxy
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}]}
-
-
-@pytest.fixture
-async def backend(nursery: trio.Nursery) -> FakeBackend:
-    state = FakeBackend()
-    await nursery.start(serve_fake_backend, state)
-    return state
 
 
 @pytest.fixture

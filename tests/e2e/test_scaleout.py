@@ -21,7 +21,7 @@ import trio
 from tests.admission.conftest import RedisServer, redis_binary, redis_server  # noqa: F401
 from tests.conftest import hangup_as_default
 from thunderproxy.bench.studies.scaleout import ScaleoutConfig, run_arrangement
-from thunderproxy.scaleout import worker_db
+from thunderproxy.scaleout import process_db
 from thunderproxy.sim import SimConfig, open_simulator
 
 # Agents on backends whose KV holds a fraction of their programs at once. The small load runs in
@@ -83,7 +83,7 @@ def test_workers_without_redis_are_refused_with_the_remedy(tmp_path: Path) -> No
     assert "--workers 2 needs --redis" in done.stderr
     assert "pass --redis redis://host:6379/0, or --workers 1" in done.stderr
     assert not (tmp_path / "p.db").exists()
-    assert not Path(worker_db(str(tmp_path / "p.db"), 1)).exists()
+    assert not Path(process_db(str(tmp_path / "p.db"), 1)).exists()
 
 
 @pytest.mark.parametrize(
@@ -95,7 +95,7 @@ def test_workers_without_redis_are_refused_with_the_remedy(tmp_path: Path) -> No
     ],
 )
 def test_each_worker_has_its_own_audit_db(db: str, k: int, expected: str) -> None:
-    assert worker_db(db, k) == expected
+    assert process_db(db, k) == expected
 
 
 async def test_a_dead_worker_is_started_again_and_a_signal_stops_them_all(
@@ -240,4 +240,4 @@ async def test_a_supervisor_refuses_a_port_that_others_listen_on(tmp_path: Path)
     assert f"Port {port} on 127.0.0.1 is already in use by processes listening there" in errors[0]
     assert f"`ss -ltnp 'sport = :{port}'` lists their pids" in errors[0]
     assert "pass --port with a free port" in errors[0]
-    assert not await trio.Path(worker_db(str(tmp_path / "p.db"), 1)).exists()
+    assert not await trio.Path(process_db(str(tmp_path / "p.db"), 1)).exists()

@@ -1,4 +1,5 @@
-"""is_streaming follows the seed's four rules, and nothing else makes a body a stream."""
+"""is_streaming follows its four rules (SSE, NDJSON, chunked, a content type naming "stream"),
+and nothing else makes a body a stream."""
 
 from __future__ import annotations
 

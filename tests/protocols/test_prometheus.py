@@ -218,8 +218,8 @@ def test_the_proxys_snapshot_becomes_the_prometheus_view() -> None:
         preemptions_total=None,
     )
 
-    def backend(url: str, engine: EngineSnapshot | None) -> snapshot_module.BackendStatistics:
-        return snapshot_module.BackendStatistics(
+    def backend(url: str, engine: EngineSnapshot | None) -> snapshot_module.BackendSnapshot:
+        return snapshot_module.BackendSnapshot(
             url=url,
             healthy=engine is not None,
             last_error=None,
@@ -229,7 +229,7 @@ def test_the_proxys_snapshot_becomes_the_prometheus_view() -> None:
             load=BackendLoad(),
         )
 
-    stats = snapshot_module.Statistics(
+    stats = snapshot_module.Snapshot(
         router="tr",
         programs=4,
         by_status={ProgramStatus.REASONING: 1, ProgramStatus.PAUSED: 3},
@@ -248,7 +248,7 @@ def test_the_proxys_snapshot_becomes_the_prometheus_view() -> None:
     assert got[("thunderproxy_pauses_total", ())] == 3
 
 
-EMPTY = snapshot_module.Statistics(
+EMPTY = snapshot_module.Snapshot(
     router="default",
     programs=0,
     by_status={},

@@ -9,13 +9,13 @@ from typing import Any
 import trio
 import trio.testing
 
+from tests.conftest import ScriptedBackend, rig
 from thunderproxy.audit import StepRecord
 from thunderproxy.gateway import Call
 from thunderproxy.protocols import Protocol, ProtocolWire
 from thunderproxy.protocols.base import parse_event
 from thunderproxy.protocols.recognition import ProgramRecognizer, Source
 
-from ..test_gateway import ScriptedBackend, rig
 from .streams import MESSAGES_ANSWER, RESPONSE_USAGE, messages_events, responses_events
 
 

@@ -271,7 +271,7 @@ def test_the_spec_of_forwarding_is_matched_by_shown_url() -> None:
 async def test_council_jobs_count_the_client_not_its_address(tmp_path: Path) -> None:
     """Both clients call from 127.0.0.1: before, the per-client cap counted that address, so
     one client's job refused the other's (and one client with several addresses took all)."""
-    from tests.jobs.helpers import council_proxy, new_conversation, sim_config
+    from tests.council.helpers import council_proxy, new_conversation, sim_config
 
     slow = sim_config(time_scale=1.0, output_len_dist="fixed:4000")
     async with (

@@ -83,7 +83,7 @@ def test_a_limit_for_no_configured_client_stops_with_the_remedy(
 
 
 async def test_a_council_job_records_its_client_on_its_member_steps(tmp_path: Path) -> None:
-    from tests.jobs.helpers import ask_streaming, council_proxy, new_conversation, types
+    from tests.council.helpers import ask_streaming, council_proxy, new_conversation, types
 
     db = tmp_path / "c.db"
     async with (

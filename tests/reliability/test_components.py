@@ -15,10 +15,10 @@ import pytest
 import trio
 
 from tests.conftest import query
-from tests.jobs.helpers import MODELS, council_proxy, new_conversation, read_sse
+from tests.council.helpers import MODELS, council_proxy, new_conversation, read_sse
 from tests.reliability.test_audit_rows import step
 from thunderproxy.audit import writer
-from thunderproxy.jobs import store as job_store
+from thunderproxy.council import store as job_store
 from thunderproxy.scheduling.scheduler import Scheduler
 from thunderproxy.supervision import Components, State
 

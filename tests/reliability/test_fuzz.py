@@ -10,14 +10,11 @@ test_fuzz.py`` runs the same checks over thousands.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,12 +22,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import query
-from tests.fakebackend import proxy_in_thread
-from tests.fuzzbackend import Answer, FuzzBackend, answers, serve_fuzz_backend, texts
+from tests.conftest import Live, live_fuzz_proxy, query
+from tests.fuzzbackend import Answer, answers, texts
 from thunderproxy.protocols.base import MAX_EVENT_BYTES
 from thunderproxy.protocols.openai_chat import ChatTap
-from thunderproxy.runtime import RunningProxy
 
 #: /health must answer within this, whatever came before.
 HEALTH_WITHIN_S = 0.1
@@ -38,26 +33,12 @@ HEALTH_WITHIN_S = 0.1
 AUDIT_WITHIN_S = 5.0
 
 
-@dataclass
-class Live:
-    client: httpx.Client
-    backend: FuzzBackend
-    proxy: RunningProxy
-    db: Path
-    cases: Iterator[int] = field(default_factory=itertools.count)
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     """A fuzz backend and a proxy in front of it, for the whole module."""
-    db = tmp_path_factory.mktemp("fuzz") / "audit.db"
-    backend = FuzzBackend()
     overrides = {"datasette": False, "max_body_bytes": 65_536}
-    with (
-        proxy_in_thread(serve_fuzz_backend, backend, db, **overrides) as proxy,
-        httpx.Client(base_url=proxy.url, timeout=30) as client,
-    ):
-        yield Live(client, backend, proxy, db)
+    with live_fuzz_proxy(tmp_path_factory.mktemp("fuzz"), **overrides) as running:
+        yield running
 
 
 # --- the invariants ----------------------------------------------------------------------------

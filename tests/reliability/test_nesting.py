@@ -10,12 +10,10 @@ The default suite runs a few dozen hypothesis examples; ``pytest -m fuzz`` runs 
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -23,11 +21,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import query
-from tests.fakebackend import proxy_in_thread
-from tests.fuzzbackend import Answer, FuzzBackend, serve_fuzz_backend
+from tests.conftest import Live, live_fuzz_proxy, query
+from tests.fuzzbackend import Answer
 from thunderproxy.http.validate import MAX_JSON_DEPTH as MAX_NESTING
-from thunderproxy.runtime import RunningProxy
 
 PATHS = {
     "chat": "/v1/chat/completions",
@@ -37,27 +33,13 @@ PATHS = {
 AUDIT_WITHIN_S = 5.0
 
 
-@dataclass
-class Live:
-    client: httpx.Client
-    backend: FuzzBackend
-    proxy: RunningProxy
-    db: Path
-    cases: Iterator[int] = field(default_factory=itertools.count)
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    db = tmp_path_factory.mktemp("nesting") / "audit.db"
-    backend = FuzzBackend()
     # The default router: hundreds of programs that are never released (each example starts
     # one) would fill tr's KV model of the test backend, and later calls would rightly wait.
     overrides = {"datasette": False, "max_body_bytes": 1_000_000, "router": "default"}
-    with (
-        proxy_in_thread(serve_fuzz_backend, backend, db, **overrides) as proxy,
-        httpx.Client(base_url=proxy.url, timeout=30) as client,
-    ):
-        yield Live(client, backend, proxy, db)
+    with live_fuzz_proxy(tmp_path_factory.mktemp("nesting"), **overrides) as running:
+        yield running
 
 
 def deep(depth: int) -> str:

@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.conftest import ScriptedBackend, rig
 from thunderproxy.audit import StepRecord
 from thunderproxy.gateway import Call
 from thunderproxy.http.sse import OPENAI
@@ -20,7 +21,6 @@ from thunderproxy.programs import ProgramStatus, StepUsage
 from thunderproxy.scheduling.classes import BATCH, INTERACTIVE, named_class, resolve
 from thunderproxy.scheduling.policy import PolicyConfig
 
-from ..test_gateway import ScriptedBackend, rig
 from .test_scheduler import B0, CFG, Harness, begin, end, harness, open_harness, snapshot
 
 __all__ = ["harness"]  # the fixture, shared with the scheduler's tests

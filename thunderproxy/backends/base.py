@@ -1,9 +1,12 @@
 """The backend seam: one method, ``send``, in the spirit of httpx's transport.
 
-Everything that reaches a model server goes through a :class:`Backend`: the gateway's calls, the
-metrics poller's probes, the passthrough. ``HttpBackend`` speaks HTTP over one shared
-``httpx.AsyncClient``; ``EngineBackend`` drives the simulator in-process, so virtual-time runs
-use the same gateway, poller and scheduler as a real proxy, on trio's MockClock.
+Everything the proxy sends a model server goes through a :class:`Backend`: the gateway's calls,
+the metrics poller's probes, the passthrough, and worker mode's startup benchmark (handed an
+httpx client whose transport is the backend: ``transport.py``). ``HttpBackend`` speaks HTTP
+(``h1.py`` for plain-HTTP POSTs, shared ``httpx.AsyncClient``s for the rest);
+``EngineBackend`` drives the simulator in-process, so virtual-time runs use the same gateway,
+poller and scheduler as a real proxy, on trio's MockClock; ``MockBackend`` (``mock.py``) answers
+from a handler function.
 
 A backend raises only the ``BackendError`` tree (errors.py): ``send`` and the response's reads
 translate their transport's exceptions at this boundary.

@@ -1,8 +1,10 @@
 """Reading a backend's Prometheus ``/metrics`` (vLLM 0.8-0.33 and SGLang), pure.
 
-Names, label sets and units moved between releases; the rules here follow the backend contract:
-parse by name and ignore unknown labels, prefer the newest name and fall back to older ones, sum
-data-parallel engines, and convert 0.8's block-counted prefix counters to tokens.
+Names, label sets and units moved between releases; the rules here follow the backend contract
+(docs/ARCHITECTURE.md, "The backend contract", which also says what tr reads and what it does
+without each reading): parse by name and ignore unknown labels, prefer the newest name and fall
+back to older ones, sum data-parallel engines, and convert 0.8's block-counted prefix counters
+to tokens.
 """
 
 from __future__ import annotations

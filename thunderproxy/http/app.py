@@ -1,5 +1,5 @@
 """``create_app``: the Quart-Trio app. Routes only translate HTTP into calls on the services
-and their answers back into JSON; the shapes follow the seed API (seed 001)."""
+and their answers back into JSON, in the shapes README's "HTTP API" table gives."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from ..programs.profile import Profiles
 from ..protocols import Protocol
 from ..protocols.recognition import ProgramRecognizer
 from ..scheduling import Scheduler
-from ..snapshot import Statistics
+from ..snapshot import Snapshot
 from ..statistics import Counters
 from ..supervision import Components
 from .auth import admin_allowed, require_admin
@@ -101,7 +101,7 @@ class Services:
     def pool(self) -> BackendPool:
         return self.gateway.pool
 
-    def statistics(self) -> Statistics:
+    def statistics(self) -> Snapshot:
         """One frozen snapshot of programs, backends and the audit log."""
         return snapshot.take(
             router=self.scheduler.policy.name,
@@ -226,11 +226,11 @@ def program_view(program: Program, services: Services, *, with_profile: bool) ->
     return view
 
 
-def _audit_json(stats: Statistics) -> dict[str, Any]:
+def _audit_json(stats: Snapshot) -> dict[str, Any]:
     return stats.audit.as_dict()
 
 
-def _components_json(stats: Statistics) -> dict[str, Any]:
+def _components_json(stats: Snapshot) -> dict[str, Any]:
     return {c.name: c.as_dict() for c in stats.components}
 
 

@@ -1,5 +1,5 @@
-"""Whether an upstream response is a stream, by the seed's rules. Passthrough relays every answer
-chunk by chunk; a plain one also keeps the backend's Content-Length."""
+"""Whether an upstream response is a stream, by four rules (``is_streaming``). Passthrough
+relays every answer chunk by chunk; a plain one also keeps the backend's Content-Length."""
 
 from __future__ import annotations
 

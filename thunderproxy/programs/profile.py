@@ -1,4 +1,4 @@
-"""Per-program timing profiles (the seed's /profiles), kept as running sums in memory.
+"""Per-program timing profiles (``GET /profiles``), kept as running sums in memory.
 
 The audit log's ``steps`` table holds every step; this is the cheap live summary of it.
 """

@@ -26,7 +26,7 @@ TransitionSink = Callable[[Transition], None]
 
 @dataclass(frozen=True)
 class BackendLoad:
-    """Programs and tokens one backend carries, split as the seed's /health reports them."""
+    """Programs and tokens one backend carries, split as ``/health`` reports them per backend."""
 
     total: int = 0
     reasoning: int = 0

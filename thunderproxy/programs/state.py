@@ -1,4 +1,4 @@
-"""The program state machine (seed 000), pure: every function takes ``now`` and returns the
+"""The program state machine, pure: every function takes ``now`` and returns the
 transition it made, so the registry can log it and tests can drive it without a clock.
 
     (new) -> REASONING -> ACTING -> REASONING -> ... -> STOPPED
@@ -40,7 +40,8 @@ class Program:
     #: The model name its calls ask for; it stays on backends that serve it.
     model: str | None = None
     step_count: int = 0
-    #: Characters of the last request's messages (the seed API's estimate of context size).
+    #: Characters of the last request's messages: the context size ``/programs`` shows, as
+    #: ``context_chars`` and, divided by ``chars_per_token``, as ``context_len``.
     context_len: int = 0
     #: KV footprint in tokens: the last step's prompt + completion as the backend reported them,
     #: or a characters/4 estimate until the first usage arrives.

@@ -5,7 +5,9 @@ The built-in benchmark suits OpenAI-compatible servers: tokens generated per sec
 concurrent chat completions, so the autoscaler's ``cost`` should count tokens. Anything else
 brings its own ``module:function``: an async function called with the backend's URL and an
 ``httpx.AsyncClient`` whose base URL is that backend (pass relative paths), returning workload
-per second in the units the autoscaler's ``cost`` uses.
+per second in the units the autoscaler's ``cost`` uses. That client's transport is the backend
+itself (``backends/transport.py``), so the benchmark's requests go out as the proxy's own do:
+the backend's credentials, connections and errors (as httpx's).
 """
 
 from __future__ import annotations

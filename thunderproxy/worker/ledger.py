@@ -122,7 +122,7 @@ class Ledger:
         if not self.working:
             self.pending = 0.0  # no float dust once idle
         if ticket.request_idx is not None:
-            # The seed's meaning of success: the client got its answer or left; not an error.
+            # The PyWorker's meaning of success: the client got its answer or left; not an error.
             self._done(ticket.request_idx, success=outcome is not Outcome.ERRORED)
         w = ticket.workload
         if outcome is Outcome.SERVED:

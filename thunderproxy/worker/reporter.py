@@ -24,10 +24,10 @@ from .state import Phase, WorkerState
 
 log = logging.getLogger("thunderproxy.worker")
 
-#: The seed's cadence: look every second, send when something changed or after 10 s of silence.
+#: The PyWorker's cadence: look every second, send when something changed or after 10 s of silence.
 REPORT_INTERVAL_S = 1.0
 MAX_SILENCE_S = 10.0
-#: The seed's retry budget per address: attempts, pause between them, and per-attempt timeout.
+#: The PyWorker's retry budget per address: attempts, pause between them, and per-attempt timeout.
 REPORT_ATTEMPTS = 3
 REPORT_RETRY_DELAY_S = 2.0
 REPORT_TIMEOUT_S = 10.0
@@ -44,7 +44,7 @@ def disk_used_gb() -> float:
 
 def backend_problem(pool: BackendPool) -> str | None:
     """Why no backend can serve right now (every one failed its last health check), or None.
-    Unlike the seed's sticky error this clears itself once a backend answers again."""
+    Unlike the PyWorker's sticky error this clears itself once a backend answers again."""
     nodes = list(pool)
     if not nodes or any(node.healthy for node in nodes):
         return None
@@ -105,13 +105,13 @@ def build_report(
 
 
 async def post_report(client: httpx.AsyncClient, addr: str, report: dict[str, Any]) -> str | None:
-    """Send one report to one address with the seed's retries; None when accepted, else why
+    """Send one report to one address with the PyWorker's retries; None when accepted, else why
     the last attempt failed."""
     return await post_json(client, addr.rstrip("/") + "/worker_status/", report)
 
 
 async def post_json(client: httpx.AsyncClient, target: str, body: dict[str, Any]) -> str | None:
-    """POST ``body`` with the seed's retries; None when accepted, else the last error."""
+    """POST ``body`` with the PyWorker's retries; None when accepted, else the last error."""
     error = "not sent"
     for attempt in range(1, REPORT_ATTEMPTS + 1):
         try:
@@ -183,7 +183,7 @@ async def serve_load_reporter(
         await trio.sleep(REPORT_INTERVAL_S)
         now = trio.current_time()
         problem = None if pool is None else backend_problem(pool)
-        # While loading, the seed reports only every 10 s: nothing is served yet.
+        # While loading, the PyWorker reports only every 10 s: nothing is served yet.
         changed = ledger.changed and state.phase is not Phase.LOADING
         # A backend going down (or back up) is news for the autoscaler at once.
         changed = changed or problem != reported_problem
@@ -229,7 +229,7 @@ async def serve_request_cleanup(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Every second, tell the autoscaler which signed requests ended (the seed's
+    """Every second, tell the autoscaler which signed requests ended (the PyWorker's
     ``delete_requests`` loop): ``POST <addr>/delete_requests/`` with ``worker_id``, ``mtoken``,
     ``request_idxs`` and ``success``, one post per outcome, to the first address that takes
     both. Entries leave the ledger only then, so an outage delays them and loses none."""

@@ -12,6 +12,7 @@ import trio
 
 from ..backends import BackendPool
 from ..backends.poller import wait_until_ready
+from ..backends.transport import backend_client
 from .auth import load_public_key
 from .benchmark import BenchmarkError, measure
 from .reporter import serve_load_reporter, serve_request_cleanup
@@ -94,18 +95,9 @@ async def start_worker(state: WorkerState, pool: BackendPool) -> None:
             "(see --worker-ready-timeout); check that the model server started"
         )
         return
-    targets = []
-    for node in pool:
-        # The benchmark speaks HTTP to the server itself, through the backend's own client
-        # (its base URL and credentials); an in-process backend has no such thing to measure.
-        client = getattr(node.backend, "client", None)
-        if not isinstance(client, httpx.AsyncClient):
-            state.mark_errored(
-                f"backend {node.url} is not reached over HTTP; worker mode benchmarks HTTP "
-                "backends only (pass them with --backends)"
-            )
-            return
-        targets.append((node.url, client))
+    # The benchmark speaks HTTP to each server through its backend (base URL, credentials,
+    # connections), with an httpx client over the seam: what a --benchmark function is handed.
+    targets = [(node.url, backend_client(node.backend, node.url)) for node in pool]
     try:
         capacity = await measure(
             targets,
@@ -119,6 +111,10 @@ async def start_worker(state: WorkerState, pool: BackendPool) -> None:
     except Exception as exc:  # a failed benchmark module must not end the worker
         state.mark_errored(f"startup benchmark failed: {type(exc).__name__}: {exc}")
         return
+    finally:
+        with trio.CancelScope(shield=True):
+            for _, client in targets:
+                await client.aclose()
     state.mark_ready(capacity)
     log.info(
         "worker ready: max throughput %.1f/s%s, KV capacity %s tokens (%s programs of %d)",

@@ -16,16 +16,16 @@ proxies (``tr`` router):
 ``--streams`` coding agents run at once; each sends ``--steps`` streamed chat calls (the whole
 conversation so far, a fixed-length answer), with a tool pause between them, then releases its
 program. Each agent has an HTTP client of its own (one kept-alive connection, so with
-``--workers`` one worker), as an agent process would; with ``--pooled`` the agents of a proxy
+``--workers`` one serve process), as an agent process would; with ``--pooled`` the agents of a proxy
 share one client, whose connections carry any agent's next call (a program's calls then reach
-either worker, and the affinity record sends them to the same backend).
+either process, and the affinity record sends them to the same backend).
 
 Reported per arrangement: calls, failed calls (any status but 200, or a stream that ended
 without ``[DONE]``), wall seconds, and what the backends themselves said in their
 ``/metrics``, sampled every 0.1 s: the peak of ``vllm:kv_cache_usage_perc`` (1.0: full), the
 peak of ``vllm:num_requests_waiting``, and ``vllm:num_preemptions_total`` at the end (a request
 preempted because the running batch outgrew the KV), summed over backends. For ``shared``, also
-how many calls each worker served (from its audit db).
+how many calls each serve process served (from its audit db: ``calls_per_worker``).
 
 Needs ``redis-server`` on the PATH (``apt-get install redis-server``).
 """
@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 import trio
 
-from ...scaleout import worker_db
+from ...scaleout import process_db
 from ...sim import SimConfig
 from ..agents.agent import BenchError
 from ..runs.realtime import (
@@ -267,7 +267,7 @@ async def run_arrangement(config: ScaleoutConfig, arrangement: str, tmp: Path) -
                     children.append(proxy)
                     proxies.append(proxy.url)
             # One client, so one kept-alive connection, per agent, as an agent process has:
-            # with --workers the kernel sends each agent's connection to one worker.
+            # with --workers the kernel sends each agent's connection to one serve process.
             pooled = httpx.Limits(max_connections=None, max_keepalive_connections=None)
             per_proxy = [
                 httpx.AsyncClient(base_url=url, timeout=600, limits=pooled) for url in proxies
@@ -298,7 +298,7 @@ async def run_arrangement(config: ScaleoutConfig, arrangement: str, tmp: Path) -
             redis.kill()
     if arrangement == "shared":
         outcome.calls_per_worker = [
-            calls_in(Path(worker_db(str(db), k))) for k in range(1, processes + 1)
+            calls_in(Path(process_db(str(db), k))) for k in range(1, processes + 1)
         ]
     return outcome
 

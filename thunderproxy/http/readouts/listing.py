@@ -1,7 +1,7 @@
 """``GET /programs`` in pages: ``?limit=``, ``?after=<cursor>``, ``?state=``, ``?backend=``,
 ``?model=``.
 
-A page is the seed's shape (an object keyed by program id, in creation order); when more follow,
+A page is an object keyed by program id, in creation order; when more follow,
 the response names the next page in ``Link: <...>; rel="next"`` and ``X-Next-Cursor``. The cursor
 is the registry's creation sequence number of the last program looked at, so releases between
 two pages neither skip nor repeat a program; treat it as opaque.

@@ -3,7 +3,7 @@
 The simulated model writes seeded nonsense words, which a council can stream and show but not
 rank: its peer-review prompt wants a ``FINAL RANKING:`` list naming the responses it was shown.
 This module recognises the council's three special prompts (ranking, chairman, title; their
-wording is in ``thunderproxy/jobs/council.py``) and scripts an answer in the expected shape;
+wording is in ``thunderproxy/council/deliberation.py``) and scripts an answer in the expected shape;
 every other request keeps the usual generated text. The engine writes the script at
 the usual speed, token by token, then stops with EOS. The order a member ranks in is seeded by
 the model name and the prompt, so members disagree, and runs repeat exactly.

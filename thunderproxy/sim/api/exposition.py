@@ -92,18 +92,28 @@ def render(engine: Engine) -> str:
 
 
 def render_vllm(engine: Engine) -> str:
+    """vLLM's /metrics at the engine's compat level: the families that version serves, under
+    its names, in its order."""
     cfg = engine.config
-    compat = cfg.compat
+    base = {"engine": "0", "model_name": cfg.served_model_name}
+    exp = Exposition(engine.epoch)
+    _vllm_state(exp, engine, base)
+    _vllm_counts(exp, engine, base)
+    _vllm_histograms(exp, engine, base)
+    _vllm_offload(exp, engine, base)
+    exp.gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              [(cache_config_labels(engine), 1)])  # fmt: skip
+    return exp.text()
+
+
+def _vllm_state(exp: Exposition, engine: Engine, base: Labels) -> None:
+    """The queues, the sleep state, KV use and the prefix cache's counters."""
+    compat = engine.config.compat
     new_names = compat != "0.8"
     old_names = compat in ("0.8", "0.9", "0.10")
     newest = compat == "current"
-    base = {"engine": "0", "model_name": cfg.served_model_name}
     sched = engine.scheduler
     stats = sched.stats
-    rec = engine.recorder
-    pool = engine.pool
-    exp = Exposition(engine.epoch)
-
     exp.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
               [(base, len(sched.running))])  # fmt: skip
     exp.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
@@ -117,7 +127,7 @@ def render_vllm(engine: Engine) -> str:
                   [({**base, "sleep_state": "awake"}, 0 if asleep else 1),
                    ({**base, "sleep_state": "weights_offloaded"}, 1 if asleep else 0),
                    ({**base, "sleep_state": "discard_all"}, 0)])  # fmt: skip
-    usage = pool.usage()
+    usage = engine.pool.usage()
     if old_names:
         exp.gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.",
                   [(base, usage)])  # fmt: skip
@@ -146,6 +156,14 @@ def render_vllm(engine: Engine) -> str:
                     "External prefix cache hits from KV connector cross-instance cache "
                     "sharing, in terms of number of cached tokens.",
                     [(base, stats.external_hits)])  # fmt: skip
+
+
+def _vllm_counts(exp: Exposition, engine: Engine, base: Labels) -> None:
+    """Preemptions, tokens, finished requests and admission refusals."""
+    cfg = engine.config
+    newest = cfg.compat == "current"
+    stats = engine.scheduler.stats
+    rec = engine.recorder
     exp.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                 [(base, stats.preemptions)])  # fmt: skip
     exp.counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
@@ -171,6 +189,13 @@ def render_vllm(engine: Engine) -> str:
                     [({"model_name": cfg.served_model_name, "reason": r},
                       rec.admission_rejections[r])
                      for r in ("max_num_queued_reqs", "max_num_queued_tokens")])  # fmt: skip
+
+
+def _vllm_histograms(exp: Exposition, engine: Engine, base: Labels) -> None:
+    """Per-request and per-step histograms: tokens, parameters, latencies, phases."""
+    compat = engine.config.compat
+    newest = compat == "current"
+    rec = engine.recorder
     hist = exp.histogram
     hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", base,
          rec.prompt_tokens)  # fmt: skip
@@ -210,21 +235,22 @@ def render_vllm(engine: Engine) -> str:
         hist("vllm:request_prefill_kv_computed_tokens",
              "Prompt tokens computed (not cached) per request.", base,
              rec.prefill_kv_computed)  # fmt: skip
+
+
+def _vllm_offload(exp: Exposition, engine: Engine, base: Labels) -> None:
+    """The native OffloadingConnector's families; they exist only with a connector."""
     cpu = engine.cpu
-    if cpu is not None and compat in ("0.11", "current"):
-        # The native OffloadingConnector's families; they exist only with a connector.
-        kinds = ("CPU_to_GPU", "GPU_to_CPU")
-        exp.counter("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector",
-                    [({**base, "transfer_type": k}, cpu.bytes[k]) for k in kinds])  # fmt: skip
-        exp.counter("vllm:kv_offload_total_time", "Total time measured by all KV offloading "
-                    "operations", [({**base, "transfer_type": k}, cpu.seconds[k])
-                                   for k in kinds])  # fmt: skip
-        for k in kinds:
-            hist("vllm:kv_offload_size", "Histogram of KV offload transfer size, in bytes.",
-                 {**base, "transfer_type": k}, cpu.sizes[k])  # fmt: skip
-    exp.gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-              [(cache_config_labels(engine), 1)])  # fmt: skip
-    return exp.text()
+    if cpu is None or engine.config.compat not in ("0.11", "current"):
+        return
+    kinds = ("CPU_to_GPU", "GPU_to_CPU")
+    exp.counter("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector",
+                [({**base, "transfer_type": k}, cpu.bytes[k]) for k in kinds])  # fmt: skip
+    exp.counter("vllm:kv_offload_total_time", "Total time measured by all KV offloading "
+                "operations", [({**base, "transfer_type": k}, cpu.seconds[k])
+                               for k in kinds])  # fmt: skip
+    for k in kinds:
+        exp.histogram("vllm:kv_offload_size", "Histogram of KV offload transfer size, in bytes.",
+                      {**base, "transfer_type": k}, cpu.sizes[k])  # fmt: skip
 
 
 def cache_config_labels(engine: Engine) -> dict[str, str]:

@@ -9,8 +9,8 @@ from typing import Any
 
 import trio
 
-from thunderproxy.jobs.errors import MemberFailed
-from thunderproxy.jobs.llm import ChatEvent, ChatRequest, Finished, TextDelta, ToolCall
+from thunderproxy.council.errors import MemberFailed
+from thunderproxy.council.llm import ChatEvent, ChatRequest, Finished, TextDelta, ToolCall
 
 #: What a model does for one call: text to stream, tool calls to ask for, or a failure.
 Reply = str | tuple[ToolCall, ...] | MemberFailed | None

@@ -10,7 +10,7 @@ import httpx
 import trio
 
 from tests.conftest import query
-from tests.jobs.helpers import (
+from tests.council.helpers import (
     MODELS,
     EventReader,
     ask_streaming,

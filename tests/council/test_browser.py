@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests.council.cdp import open_page
+from tests.council.helpers import MODELS, council_proxy, sim_config
 from tests.explore.test_browser import chromium  # noqa: F401  (the fixture)
 from tests.explore.test_standalone import ROOT
-from tests.jobs.cdp import open_page
-from tests.jobs.helpers import MODELS, council_proxy, sim_config
 
 ARTIFACTS = ROOT / "test-artifacts" / "council"
 pytestmark = pytest.mark.browser

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from thunderproxy.jobs import council
-from thunderproxy.jobs.council import MemberAnswer, MemberRanking, Standing, Turn
+from thunderproxy.council import deliberation
+from thunderproxy.council.deliberation import MemberAnswer, MemberRanking, Standing, Turn
 
 LABELS = ["Response A", "Response B", "Response C"]
 
@@ -62,21 +62,21 @@ LABELS = ["Response A", "Response B", "Response C"]
 def test_rankings_are_parsed_from_the_formats_models_write(
     text: str, expected: tuple[str, ...]
 ) -> None:
-    assert council.parse_ranking(text, known=LABELS) == expected
+    assert deliberation.parse_ranking(text, known=LABELS) == expected
 
 
 def test_anonymize_labels_answers_in_order_and_keeps_the_mapping() -> None:
     answers = [MemberAnswer("m1", "one"), MemberAnswer("m2", "two"), MemberAnswer("m3", "3")]
-    label_to_model, text = council.anonymize(answers)
+    label_to_model, text = deliberation.anonymize(answers)
     assert label_to_model == {"Response A": "m1", "Response B": "m2", "Response C": "m3"}
     assert text == "Response A:\none\n\nResponse B:\ntwo\n\nResponse C:\n3"
     assert "m1" not in text
     with pytest.raises(ValueError, match="at most 26"):
-        council.anonymize([MemberAnswer(f"m{i}", "x") for i in range(27)])
+        deliberation.anonymize([MemberAnswer(f"m{i}", "x") for i in range(27)])
 
 
 def test_the_stage2_prompt_asks_for_the_parseable_format() -> None:
-    prompt = council.stage2_prompt("Why?", "Response A:\nx")
+    prompt = deliberation.stage2_prompt("Why?", "Response A:\nx")
     assert "Question: Why?" in prompt
     assert "FINAL RANKING:" in prompt
     assert '"1. Response A"' in prompt
@@ -90,12 +90,12 @@ def test_aggregate_averages_positions_and_counts_first_places() -> None:
         MemberRanking("m3", "", ("Response A", "Response B")),  # left Response C out
         MemberRanking("m4", "", ("Response Z",)),  # a label nobody had
     ]
-    assert council.aggregate(rankings, label_to_model) == [
+    assert deliberation.aggregate(rankings, label_to_model) == [
         Standing("m2", 1.33, 3, 2),
         Standing("m1", 2.0, 3, 1),
         Standing("m3", 2.5, 2, 0),
     ]
-    assert council.aggregate([], label_to_model) == []
+    assert deliberation.aggregate([], label_to_model) == []
 
 
 def test_ties_are_broken_by_first_places_then_name() -> None:
@@ -104,7 +104,7 @@ def test_ties_are_broken_by_first_places_then_name() -> None:
         MemberRanking("x", "", ("Response A", "Response B")),
         MemberRanking("y", "", ("Response B", "Response A")),
     ]
-    assert [s.model for s in council.aggregate(rankings, label_to_model)] == ["m1", "m2"]
+    assert [s.model for s in deliberation.aggregate(rankings, label_to_model)] == ["m1", "m2"]
 
 
 def test_histories_give_each_member_its_own_earlier_answers() -> None:
@@ -118,16 +118,16 @@ def test_histories_give_each_member_its_own_earlier_answers() -> None:
         {"role": "user", "content": "Q2"},
         {"role": "assistant", "stage1": None, "stage3": None, "status": "error"},
     ]
-    turns = council.turns_from_messages(messages)
+    turns = deliberation.turns_from_messages(messages)
     assert turns == [Turn("Q1", {"m1": "m1 said"}, "final 1")]
-    assert council.stage1_history(turns, "m1", "Q3") == [
+    assert deliberation.stage1_history(turns, "m1", "Q3") == [
         {"role": "user", "content": "Q1"},
         {"role": "assistant", "content": "m1 said"},
         {"role": "user", "content": "Q3"},
     ]
     # A member that did not answer then sees the council's final answer instead.
-    assert council.stage1_history(turns, "m2", "Q3")[1]["content"] == "final 1"
-    assert council.stage3_history(turns, "PROMPT")[-2:] == [
+    assert deliberation.stage1_history(turns, "m2", "Q3")[1]["content"] == "final 1"
+    assert deliberation.stage3_history(turns, "PROMPT")[-2:] == [
         {"role": "assistant", "content": "final 1"},
         {"role": "user", "content": "PROMPT"},
     ]
@@ -143,4 +143,4 @@ def test_histories_give_each_member_its_own_earlier_answers() -> None:
     ],
 )
 def test_titles_are_cleaned_to_one_short_line(raw: str, title: str) -> None:
-    assert council.clean_title(raw) == title
+    assert deliberation.clean_title(raw) == title

@@ -6,7 +6,7 @@ changed between patch releases of one Python version).
 Transcribed from https://www.iana.org/assignments/iana-ipv4-special-registry/ and
 https://www.iana.org/assignments/iana-ipv6-special-registry/, plus the multicast blocks of the
 IPv4 and IPv6 address-space registries, which the special-purpose registries leave out. When
-IANA adds an entry, add it here and a case for it to ``tests/jobs/test_tools.py`` (a test there
+IANA adds an entry, add it here and a case for it to ``tests/council/test_tools.py`` (a test there
 checks that every entry has one).
 """
 

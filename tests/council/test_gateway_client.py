@@ -8,11 +8,11 @@ from pathlib import Path
 import trio
 
 from tests.conftest import query
-from tests.jobs.helpers import MODELS, council_proxy
-from thunderproxy.jobs.gateway_client import GatewayChatClient
-from thunderproxy.jobs.pipeline import CouncilConfig
-from thunderproxy.jobs.runner import CouncilRunner
-from thunderproxy.jobs.store import JobStore
+from tests.council.helpers import MODELS, council_proxy
+from thunderproxy.council.gateway_client import GatewayChatClient
+from thunderproxy.council.pipeline import CouncilConfig
+from thunderproxy.council.runner import CouncilRunner
+from thunderproxy.council.store import JobStore
 
 
 async def test_a_council_runs_on_the_gateway_in_process(
@@ -36,9 +36,9 @@ async def test_a_council_runs_on_the_gateway_in_process(
         row = await store.get_job(job)
         await store.aclose()
     assert row is not None
-    assert row["status"] == "complete"
-    assert [f["model"] for f in row["metadata"]["failed_members"]] == ["delta-unserved"]
-    assert "delta-unserved" in row["metadata"]["failed_members"][0]["error"]
+    assert row.status == "complete"
+    assert [f["model"] for f in row.metadata["failed_members"]] == ["delta-unserved"]
+    assert "delta-unserved" in row.metadata["failed_members"][0]["error"]
     programs = {r["program_id"] for r in query(db, "SELECT DISTINCT program_id FROM steps")}
     assert programs == {f"council:{job}:{m}" for m in MODELS}
     released = query(db, "SELECT DISTINCT program_id FROM transitions WHERE to_status = 'stopped'")

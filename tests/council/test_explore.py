@@ -7,8 +7,8 @@ from pathlib import Path
 import httpx
 import trio
 
+from tests.council.helpers import MODELS, ask_streaming, council_proxy, new_conversation
 from tests.explore.conftest import run_canned
-from tests.jobs.helpers import MODELS, ask_streaming, council_proxy, new_conversation
 from thunderproxy.council_demo import CouncilDemoConfig, describe, run_council_demo
 
 

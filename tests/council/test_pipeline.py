@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 import trio
 
-from tests.jobs.fakes import ScriptedClient
-from thunderproxy.jobs import pipeline
-from thunderproxy.jobs.council import MemberAnswer, Standing
-from thunderproxy.jobs.errors import JobFailed, MemberFailed
-from thunderproxy.jobs.pipeline import CouncilConfig
+from tests.council.fakes import ScriptedClient
+from thunderproxy.council import pipeline
+from thunderproxy.council.deliberation import MemberAnswer, Standing
+from thunderproxy.council.errors import JobFailed, MemberFailed
+from thunderproxy.council.pipeline import CouncilConfig
+from thunderproxy.council.records import JobEvent
 
 CONFIG = CouncilConfig(
     members=("fast", "slow", "broken"), chairman="fast", title_model="fast", member_timeout_s=60
@@ -23,8 +24,8 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[str, dict[str, Any]]] = []
 
-    async def __call__(self, type: str, data: dict[str, Any]) -> None:
-        self.events.append((type, data))
+    async def __call__(self, event: JobEvent) -> None:
+        self.events.append((event.type, event.data()))
 
     def of(self, type: str) -> list[dict[str, Any]]:
         return [data for kind, data in self.events if kind == type]

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import trio
 
-from tests.jobs.fakes import ScriptedClient
-from thunderproxy.jobs.errors import JobRunning, MemberFailed, StoreUnavailable, TooManyJobs
-from thunderproxy.jobs.llm import ChatRequest, StreamAssembler, TextDelta, ToolCall
-from thunderproxy.jobs.pipeline import CouncilConfig
-from thunderproxy.jobs.runner import CouncilRunner
-from thunderproxy.jobs.store import JobStore
+from tests.council.fakes import ScriptedClient
+from thunderproxy.council.errors import JobRunning, MemberFailed, StoreUnavailable, TooManyJobs
+from thunderproxy.council.llm import ChatRequest, StreamAssembler, TextDelta, ToolCall
+from thunderproxy.council.pipeline import CouncilConfig
+from thunderproxy.council.runner import CouncilRunner
+from thunderproxy.council.store import JobStore
 
 CONFIG = CouncilConfig(members=("m1", "m2"), chairman="m1", title_model="m2")
 
@@ -58,9 +58,9 @@ async def test_a_second_question_carries_each_members_history(
     ]
     job = await runner.store.get_job(second)
     assert job is not None
-    assert job["status"] == "complete"
+    assert job.status == "complete"
     # Only the first question titles the conversation.
-    assert job["title_model"] is None
+    assert job.title_model is None
     conversation_row = await runner.store.get_conversation(conversation)
     assert conversation_row is not None
     assert conversation_row["title"] == "A title"
@@ -204,8 +204,8 @@ def test_a_stream_payload_is_fed_or_fails_the_member(as_read: Callable[[str], An
 )
 def test_a_council_that_cannot_work_is_refused_at_startup(models: str, message: str) -> None:
     from thunderproxy.config import load_settings
+    from thunderproxy.council import council_config
     from thunderproxy.errors import ConfigError
-    from thunderproxy.jobs import council_config
 
     with pytest.raises(ConfigError, match=message):
         council_config(load_settings(council_models=models))

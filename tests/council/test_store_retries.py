@@ -11,9 +11,9 @@ import pytest
 import trio
 import trio.testing
 
-from thunderproxy.jobs import store as job_store
-from thunderproxy.jobs.errors import StoreUnavailable
-from thunderproxy.jobs.store import JobStore
+from thunderproxy.council import store as job_store
+from thunderproxy.council.errors import StoreUnavailable
+from thunderproxy.council.store import JobStore
 
 
 def refusing(times: int, monkeypatch: pytest.MonkeyPatch) -> list[float]:

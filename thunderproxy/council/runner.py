@@ -18,17 +18,30 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from ..errors import InvalidRequest
-from . import council, pipeline
-from .council import MemberAnswer, MemberRanking
+from . import deliberation, pipeline
 from .errors import JobFailed, JobRunning, StoreUnavailable, TooManyJobs
 from .llm import ChatClient, ForClient
 from .pipeline import CouncilConfig
+from .records import (
+    Complete,
+    Failed,
+    Job,
+    JobEvent,
+    Resumed,
+    Stage1Complete,
+    Stage2Complete,
+    Stage3Complete,
+    TitleComplete,
+    answers_json,
+    rankings_json,
+    standings_json,
+)
 from .store import Event, JobStore
 from .tools import Toolbox
 
@@ -116,7 +129,7 @@ class CouncilRunner:
                     job = await self.store.get_job(job_id)
                     if job is not None:
                         log.info("resuming council job %s after stage %d", job_id,
-                                 job["completed_stage"])  # fmt: skip
+                                 job.completed_stage)  # fmt: skip
                         await self._launch(job)
                 task_status.started(self)
                 if shutdown is not None:
@@ -214,11 +227,11 @@ class CouncilRunner:
             raise
         return job_id
 
-    async def _launch(self, job: dict[str, Any]) -> None:
+    async def _launch(self, job: Job) -> None:
         assert self._nursery is not None
-        live = LiveJob(job["id"], job["conversation_id"])
-        if job["last_seq"]:
-            live.events = await self.store.events(job["id"])
+        live = LiveJob(job.id, job.conversation_id)
+        if job.last_seq:
+            live.events = await self.store.events(job.id)
         self.live[live.job_id] = live
         self._by_conversation[live.conversation_id] = live.job_id
         self._nursery.start_soon(self._run, job, live)
@@ -265,30 +278,30 @@ class CouncilRunner:
         return live.unrecorded
 
     # --- one job ---------------------------------------------------------------------------------
-    def _client_for(self, job: dict[str, Any]) -> ChatClient:
+    def _client_for(self, job: Job) -> ChatClient:
         """The chat client of ``job``'s calls: each is the call of the client that started it
         (its row keeps the name, so a resumed job's calls are still that client's)."""
         assert self.client is not None
-        owner = job.get("client")
-        return self.client if owner is None else ForClient(self.client, owner)
+        return self.client if job.client is None else ForClient(self.client, job.client)
 
-    async def _run(self, job: dict[str, Any], live: LiveJob) -> None:
+    async def _run(self, job: Job, live: LiveJob) -> None:
         client = self._client_for(job)
         job_id = live.job_id
 
         order = trio.Lock()
 
-        async def emit(type: str, data: dict[str, Any]) -> None:
+        async def emit(event: JobEvent) -> None:
             # One event of a job at a time: its number is its place in the stream, and a
             # follower must never see event n+1 before event n is committed.
             async with order:
-                event = await self.store.append(job_id, len(live.events) + 1, type, data)
-                live.events.append(event)
+                seq = len(live.events) + 1
+                stored = await self.store.append(job_id, seq, event.type, event.data())
+                live.events.append(stored)
             live.notify()
 
         models = {*self.config.members, self.config.chairman}
-        if job["title_model"]:
-            models.add(job["title_model"])
+        if job.title_model:
+            models.add(job.title_model)
 
         async def release() -> None:
             # Before the last event: a client that saw the job end finds its programs gone.
@@ -301,7 +314,7 @@ class CouncilRunner:
             with trio.CancelScope(shield=True):
                 try:
                     await release()
-                    await emit("error", {"message": message})
+                    await emit(Failed(message))
                     await self.store.update_job(
                         job_id, status="error", error=message, finished_at=self.store.now()
                     )
@@ -312,8 +325,9 @@ class CouncilRunner:
                     log.error("council job %s ended unrecorded: %s", job_id, cause)
                     text = message if cause in message else f"{message} (not recorded: {cause})"
                     live.unrecorded = text
-                    last = Event(job_id, len(live.events) + 1, self.store.now(), "error",
-                                 {"message": text, "recorded": False})  # fmt: skip
+                    failed = Failed(text, recorded=False)
+                    last = Event(job_id, len(live.events) + 1, self.store.now(), failed.type,
+                                 failed.data())  # fmt: skip
                     live.events.append(last)
                     self._unrecorded[job_id] = last
                     while len(self._unrecorded) > UNRECORDED_KEPT:
@@ -323,7 +337,7 @@ class CouncilRunner:
             await self._stages(job, emit)
             await release()
             await self.store.update_job(job_id, status="complete", finished_at=self.store.now())
-            await emit("complete", {})
+            await emit(Complete())
         except Exception as exc:
             # A stage's nursery wraps what its tasks raised in an ExceptionGroup: the client is
             # told the causes themselves, not the group's repr.
@@ -350,71 +364,68 @@ class CouncilRunner:
             live.done.set()
             live.notify()
 
-    async def _stages(self, job: dict[str, Any], emit: pipeline.Emit) -> None:
+    async def _stages(self, job: Job, emit: pipeline.Emit) -> None:
         client = self._client_for(job)
         store = self.store
-        job_id = job["id"]
-        question = job["question"]
+        job_id = job.id
+        question = job.question
         # The job row keeps the council it was started with, so a resumed job after a
         # configuration change still finishes with the same members.
         config = CouncilConfig(
-            members=tuple(job["members"]),
-            chairman=job["chairman"],
-            title_model=job["title_model"] or self.config.title_model,
+            members=job.members,
+            chairman=job.chairman,
+            title_model=job.title_model or self.config.title_model,
             member_timeout_s=self.config.member_timeout_s,
             tool_rounds=self.config.tool_rounds,
             max_tokens=self.config.max_tokens,
         )
-        done = job["completed_stage"]
-        conversation = await store.get_conversation(job["conversation_id"])
+        done = job.completed_stage
+        conversation = await store.get_conversation(job.conversation_id)
         earlier = (conversation or {}).get("messages", [])
         # Only the turns before this job's own question count as history.
         for index, message in enumerate(earlier):
             if message.get("job_id") == job_id:
                 earlier = earlier[: max(0, index - 1)]
                 break
-        turns = council.turns_from_messages(earlier)
-        if job["last_seq"]:
-            await store.update_job(job_id, resumes=job["resumes"] + 1)
-            await emit("resumed", {"completed_stage": done})
-        metadata: dict[str, Any] = dict(job["metadata"] or {})
+        turns = deliberation.turns_from_messages(earlier)
+        if job.last_seq:
+            await store.update_job(job_id, resumes=job.resumes + 1)
+            await emit(Resumed(done))
+        metadata: dict[str, Any] = dict(job.metadata or {})
 
         if done < 1:
             await store.update_job(job_id, status="stage1")
             answers, failed = await pipeline.stage1(
                 client, config, job_id, question, turns, emit, self.toolbox
             )
-            stage1 = [asdict(a) for a in answers]
             metadata["failed_members"] = failed
-            await store.update_job(job_id, stage1=stage1, completed_stage=1, metadata=metadata)
-            await emit("stage1_complete", {"results": stage1, "failed": failed})
+            await store.update_job(
+                job_id, stage1=answers_json(answers), completed_stage=1, metadata=metadata
+            )
+            await emit(Stage1Complete(tuple(answers), tuple(failed)))
         else:
-            answers = [MemberAnswer(**a) for a in job["stage1"]]
+            answers = list(job.stage1 or ())
 
         if done < 2:
             await store.update_job(job_id, status="stage2")
             rankings, label_to_model, failed2 = await pipeline.stage2(
                 client, config, job_id, question, answers, emit
             )
-            standings = council.aggregate(rankings, label_to_model)
-            stage2 = [{**asdict(r), "parsed_ranking": list(r.parsed_ranking)} for r in rankings]
+            standings = deliberation.aggregate(rankings, label_to_model)
             metadata.update(
                 label_to_model=label_to_model,
-                aggregate_rankings=pipeline.standings_json(standings),
+                aggregate_rankings=standings_json(standings),
                 failed_rankers=failed2,
             )
-            await store.update_job(job_id, stage2=stage2, completed_stage=2, metadata=metadata)
+            await store.update_job(
+                job_id, stage2=rankings_json(rankings), completed_stage=2, metadata=metadata
+            )
             await emit(
-                "stage2_complete",
-                {"rankings": stage2, "label_to_model": label_to_model,
-                 "aggregate_rankings": metadata["aggregate_rankings"], "failed": failed2},
-            )  # fmt: skip
+                Stage2Complete(tuple(rankings), label_to_model, tuple(standings), tuple(failed2))
+            )
         else:
-            rankings = [
-                MemberRanking(r["model"], r["ranking"], tuple(r["parsed_ranking"]))
-                for r in job["stage2"]
-            ]
-            standings = [council.Standing(**s) for s in metadata.get("aggregate_rankings", [])]
+            rankings = list(job.stage2 or ())
+            standings = job.standings()
 
         if done < 3:
             await store.update_job(job_id, status="stage3")
@@ -422,10 +433,10 @@ class CouncilRunner:
                 client, config, job_id, question, turns, answers, rankings, standings, emit
             )
             await store.update_job(job_id, stage3=stage3, completed_stage=3)
-            await emit("stage3_complete", stage3)
+            await emit(Stage3Complete(stage3))
 
-        if job["title_model"]:
+        if job.title_model:
             name = await pipeline.title(client, config, job_id, question)
             if name:
-                await store.set_title(job["conversation_id"], name)
-                await emit("title_complete", {"title": name})
+                await store.set_title(job.conversation_id, name)
+                await emit(TitleComplete(name))

@@ -1,11 +1,13 @@
-"""Council jobs (seed 004): several models answer, rank each other's anonymized answers and a
-chairman synthesises, every member's calls a scheduled program, every event durable in SQLite.
+"""Council jobs (docs/COUNCIL.md): several models answer, rank each other's anonymized answers
+and a chairman synthesises, every member's calls a scheduled program, every event durable in
+SQLite.
 
-Layers: ``council.py`` (pure: prompts, labels, ranking parsing, aggregation, histories),
+Layers: ``deliberation.py`` (pure: prompts, labels, ranking parsing, aggregation, histories),
 ``tools.py`` (fetch_url, web_search, the tool loop), ``llm.py`` (the ``ChatClient`` protocol,
-``HttpChatClient``), ``pipeline.py`` (the three stages), ``store.py`` (SQLite),
-``runner.py`` (jobs in the runtime nursery, replay, resume), ``routes.py`` (HTTP, the page in
-``static/``).
+the request and stream it speaks), ``gateway_client.py`` (``GatewayChatClient``: the protocol
+over the proxy's own gateway, in process), ``pipeline.py`` (the three stages), ``store.py``
+(SQLite), ``runner.py`` (jobs in the runtime nursery, replay, resume), ``routes.py`` (HTTP, the
+page in ``static/``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from quart import Blueprint
 from ..backends.http import tls_context
 from ..config import Settings
 from ..errors import ConfigError
-from .council import MAX_MEMBERS
-from .llm import ChatClient, ChatEvent, Finished, HttpChatClient, TextDelta, ToolCall
+from .deliberation import MAX_MEMBERS
+from .llm import ChatClient, ChatEvent, Finished, TextDelta, ToolCall
 from .pipeline import CouncilConfig
 from .routes import create_blueprint
 from .runner import CouncilRunner
@@ -35,12 +37,10 @@ __all__ = [
     "CouncilConfig",
     "CouncilRunner",
     "Finished",
-    "HttpChatClient",
     "JobStore",
     "TextDelta",
     "ToolCall",
     "council_config",
-    "loopback_url",
     "open_council",
     "serve_council",
 ]
@@ -62,11 +62,6 @@ def council_config(settings: Settings) -> CouncilConfig:
         tool_rounds=settings.council.tool_rounds,
         max_tokens=settings.council.max_tokens or None,
     )
-
-
-def loopback_url(bound: str) -> str:
-    """The URL the proxy reaches itself at: a wildcard bind is reached over loopback."""
-    return bound.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
 
 
 @dataclass
@@ -109,40 +104,31 @@ async def open_council(
 async def serve_council(
     council: Council,
     settings: Settings,
-    proxy_url: str,
     *,
+    client: ChatClient,
     shutdown: trio.Event,
-    client: ChatClient | None = None,
     task_status: trio.TaskStatus[CouncilRunner] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run council jobs until ``shutdown``. Members are called through ``client`` (the runtime
-    passes a ``GatewayChatClient``: the proxy's own gateway, in process), or else an
-    ``HttpChatClient`` on the proxy's own URL; either way every call is a scheduled program.
+    """Run council jobs until ``shutdown``. Members are called through ``client``: the runtime
+    passes a ``GatewayChatClient``, the proxy's own gateway in process, so every call is a
+    scheduled program like any client's.
 
     Supervised by the runtime (``supervision.py``): a failure restarts it, so the store stays
     open across it and is closed by ``Council.aclose``."""
-    timeout = httpx.Timeout(settings.first_byte_timeout, connect=settings.connect_timeout)
     tool_settings = ToolSettings(
         timeout_s=min(20.0, settings.council.member_timeout or 20.0),
         allow_private=settings.council.tools_allow_private,
         search_url=settings.council.search_url,
         search_key=settings.council.search_key,
     )
-    async with (
-        httpx.AsyncClient(timeout=timeout, verify=tls_context()) as calls,
-        httpx.AsyncClient(
-            timeout=httpx.Timeout(tool_settings.timeout_s),
-            verify=tls_context(),
-            headers={"user-agent": "thunderproxy-council"},
-        ) as fetches,
-    ):
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(tool_settings.timeout_s),
+        verify=tls_context(),
+        headers={"user-agent": "thunderproxy-council"},
+    ) as fetches:
         if settings.council.tools:
             council.runner.toolbox = Toolbox(fetches, tool_settings)
-        chat = client or HttpChatClient(
-            loopback_url(proxy_url), calls, admin_token=settings.admin_token
-        )
-        await council.runner.serve(chat, shutdown=shutdown, task_status=task_status)
-    # The clients are closed (their idle connections to this proxy would hold up its
-    # drain), but the routes may still read the store until the HTTP server has drained;
-    # the runtime cancels this task then.
+        await council.runner.serve(client, shutdown=shutdown, task_status=task_status)
+    # The tools' client is closed, but the routes may still read the store until the HTTP
+    # server has drained; the runtime cancels this task then.
     await trio.sleep_forever()

@@ -1,5 +1,6 @@
 """The three stages of a council job, calling models through a ``ChatClient`` and reporting
-every step through ``emit`` (which the runner makes durable before it returns).
+every step through ``emit`` as an event of ``records.py`` (which the runner makes durable
+before it returns).
 
 Members run in parallel; one that fails or runs out of time is left out and reported, and
 the job fails only when no member answered stage 1.
@@ -8,15 +9,25 @@ the job fails only when no member answered stage 1.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
 
-from . import council
-from .council import MemberAnswer, MemberRanking, Turn
+from . import deliberation
+from .deliberation import MemberAnswer, MemberRanking, Turn
 from .errors import JobFailed, MemberFailed
 from .llm import ChatClient, ChatRequest, TextDelta, ToolCall, closing
+from .records import (
+    JobEvent,
+    Stage1Member,
+    Stage1Start,
+    Stage1Tool,
+    Stage2Member,
+    Stage2Start,
+    Stage3Start,
+    TextChunk,
+)
 from .tools import Toolbox, answer_with_tools
 
 #: Streamed text is saved and sent in pieces at most this far apart (trio seconds): one event
@@ -25,7 +36,7 @@ CHUNK_INTERVAL_S = 0.05
 
 
 class Emit(Protocol):
-    async def __call__(self, type: str, data: dict[str, Any]) -> None: ...
+    async def __call__(self, event: JobEvent) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +57,8 @@ def program_id(job_id: str, model: str) -> str:
 
 
 class Chunker:
-    """Collects a member's streamed text and emits it at most every ``CHUNK_INTERVAL_S``."""
+    """Collects a member's streamed text and emits it at most every ``CHUNK_INTERVAL_S``, as
+    events of ``type`` (``stage1_chunk``, ...)."""
 
     def __init__(self, emit: Emit, type: str, model: str) -> None:
         self.emit = emit
@@ -65,7 +77,7 @@ class Chunker:
             text = "".join(self.pending)
             self.pending.clear()
             self.last = trio.current_time()
-            await self.emit(self.type, {"model": self.model, "text": text})
+            await self.emit(TextChunk(self.type, self.model, text))
 
 
 async def _member(
@@ -92,7 +104,7 @@ async def stage1(
     emit: Emit,
     toolbox: Toolbox | None,
 ) -> tuple[list[MemberAnswer], list[dict[str, str]]]:
-    await emit("stage1_start", {"models": list(config.members)})
+    await emit(Stage1Start(config.members))
     answers: dict[str, str] = {}
     failed: dict[str, str] = {}
 
@@ -101,18 +113,14 @@ async def stage1(
 
         async def on_tool(round_: int, call: ToolCall, result: str) -> None:
             await chunks.flush()
-            await emit(
-                "stage1_tool",
-                {"model": model, "round": round_, "name": call.name,
-                 "arguments": call.arguments, "result_chars": len(result),
-                 "ok": not result.startswith("Error:")},
-            )  # fmt: skip
+            ok = not result.startswith("Error:")
+            await emit(Stage1Tool(model, round_, call.name, call.arguments, len(result), ok))
 
         async def work() -> str:
             return await answer_with_tools(
                 client,
                 model=model,
-                messages=council.stage1_history(turns, model, question),
+                messages=deliberation.stage1_history(turns, model, question),
                 program_id=program_id(job_id, model),
                 toolbox=toolbox,
                 on_text=chunks.add,
@@ -125,10 +133,10 @@ async def stage1(
         await chunks.flush()
         if answer is not None and answer.strip():
             answers[model] = answer
-            await emit("stage1_member", {"model": model, "ok": True, "response": answer})
+            await emit(Stage1Member(model, response=answer))
         else:
             failed[model] = error or f"{model} answered with no text."
-            await emit("stage1_member", {"model": model, "ok": False, "error": failed[model]})
+            await emit(Stage1Member(model, error=failed[model]))
 
     async with trio.open_nursery() as nursery:
         for model in config.members:
@@ -176,9 +184,9 @@ async def stage2(
     answers: Sequence[MemberAnswer],
     emit: Emit,
 ) -> tuple[list[MemberRanking], dict[str, str], list[dict[str, str]]]:
-    label_to_model, responses_text = council.anonymize(answers)
-    await emit("stage2_start", {"label_to_model": label_to_model})
-    prompt = council.stage2_prompt(question, responses_text)
+    label_to_model, responses_text = deliberation.anonymize(answers)
+    await emit(Stage2Start(label_to_model))
+    prompt = deliberation.stage2_prompt(question, responses_text)
     rankings: dict[str, MemberRanking] = {}
     failed: dict[str, str] = {}
     rankers = [a.model for a in answers]
@@ -199,14 +207,11 @@ async def stage2(
         text, error = await _member(model, config.member_timeout_s, work)
         if text is None:
             failed[model] = error or "no ranking"
-            await emit("stage2_member", {"model": model, "ok": False, "error": failed[model]})
+            await emit(Stage2Member(model, error=failed[model]))
             return
-        parsed = council.parse_ranking(text, known=list(label_to_model))
+        parsed = deliberation.parse_ranking(text, known=list(label_to_model))
         rankings[model] = MemberRanking(model, text, parsed)
-        await emit(
-            "stage2_member",
-            {"model": model, "ok": True, "ranking": text, "parsed_ranking": list(parsed)},
-        )
+        await emit(Stage2Member(model, ranking=text, parsed_ranking=parsed))
 
     async with trio.open_nursery() as nursery:
         for model in rankers:
@@ -224,21 +229,21 @@ async def stage3(
     turns: Sequence[Turn],
     answers: Sequence[MemberAnswer],
     rankings: Sequence[MemberRanking],
-    standings: Sequence[council.Standing],
+    standings: Sequence[deliberation.Standing],
     emit: Emit,
 ) -> dict[str, Any]:
     """The chairman's synthesis. A chairman that fails leaves the council's top-ranked answer
     as the result, marked so, rather than losing the whole deliberation."""
     model = config.chairman
-    await emit("stage3_start", {"model": model})
-    prompt = council.stage3_prompt(question, answers, rankings)
+    await emit(Stage3Start(model))
+    prompt = deliberation.stage3_prompt(question, answers, rankings)
     chunks = Chunker(emit, "stage3_chunk", model)
 
     async def work() -> str:
         return await stream_text(
             client,
             model=model,
-            messages=council.stage3_history(turns, prompt),
+            messages=deliberation.stage3_history(turns, prompt),
             program=program_id(job_id, model),
             chunks=chunks,
             max_tokens=config.max_tokens,
@@ -265,15 +270,11 @@ async def title(
         return await stream_text(
             client,
             model=config.title_model,
-            messages=[{"role": "user", "content": council.title_prompt(question)}],
+            messages=[{"role": "user", "content": deliberation.title_prompt(question)}],
             program=program_id(job_id, config.title_model),
             chunks=None,
             max_tokens=24,
         )
 
     text, _ = await _member(config.title_model, config.member_timeout_s, work)
-    return council.clean_title(text) if text else None
-
-
-def standings_json(standings: Sequence[council.Standing]) -> list[dict[str, Any]]:
-    return [asdict(s) for s in standings]
+    return deliberation.clean_title(text) if text else None

@@ -29,6 +29,7 @@ from ..audit import migrations
 from ..clock import WallClock
 from ..errors import AuditError
 from .errors import StoreUnavailable
+from .records import Job
 
 T = TypeVar("T")
 
@@ -311,18 +312,15 @@ class JobStore:
         await self._run(insert)
         return job_id
 
-    async def get_job(self, job_id: str) -> dict[str, Any] | None:
-        def select(conn: sqlite3.Connection) -> dict[str, Any] | None:
+    async def get_job(self, job_id: str) -> Job | None:
+        def select(conn: sqlite3.Connection) -> Job | None:
             row = conn.execute("SELECT * FROM council_jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 return None
-            job = dict(row)
-            for key in ("members", "stage1", "stage2", "stage3", "metadata"):
-                job[key] = _loads(job[key])
-            job["last_seq"] = conn.execute(
+            last_seq = conn.execute(
                 "SELECT coalesce(max(seq), 0) FROM council_events WHERE job_id = ?", (job_id,)
             ).fetchone()[0]
-            return job
+            return Job.from_row(row, last_seq)
 
         return await self._run(select)
 

@@ -15,10 +15,10 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from tests.jobs.fakes import ScriptedClient
-from thunderproxy.jobs import special_addresses, tools
-from thunderproxy.jobs.llm import ToolCall
-from thunderproxy.jobs.tools import Toolbox, ToolSettings
+from tests.council.fakes import ScriptedClient
+from thunderproxy.council import special_addresses, tools
+from thunderproxy.council.llm import ToolCall
+from thunderproxy.council.tools import Toolbox, ToolSettings
 from thunderproxy.sim.api.asgi import lifespan
 
 PAGE = (

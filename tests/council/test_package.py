@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from tests.conftest import query, spawn_serving
+from tests.council.helpers import MODELS, sim_config
 from tests.e2e.test_process import command
-from tests.jobs.helpers import MODELS, sim_config
 from thunderproxy.sim import open_simulator
 
 

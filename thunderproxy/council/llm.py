@@ -1,10 +1,10 @@
-"""How the council talks to models: the ``ChatClient`` protocol and its HTTP implementation.
+"""How the council talks to models: the ``ChatClient`` protocol, the request it sends
+(``ChatRequest``: one builder of the streamed OpenAI body) and the reader of the stream it gets
+back (``StreamAssembler``).
 
-The council never knows where a model runs. ``HttpChatClient`` speaks OpenAI-compatible
-streaming chat completions to a base URL and puts ``program_id`` in the body, so when that URL
-is a thunderproxy (the proxy's own loopback address, by default) every member call is a
-scheduled program step. An in-process client over the core's call path can implement the same
-two methods.
+The council never knows where a model runs. The runtime hands it a ``GatewayChatClient``
+(``gateway_client.py``): every member call goes through the proxy's own gateway in process, so
+it is a scheduled program step like any client's; the tests hand it scripted clients.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
-
-import httpx
 
 from .errors import MemberFailed
 
@@ -188,51 +186,3 @@ def error_message(raw: bytes) -> str:
     if isinstance(body, dict) and body.get("detail"):
         return str(body["detail"])
     return raw[:200].decode("utf-8", "replace")
-
-
-class HttpChatClient:
-    """``ChatClient`` over an OpenAI-compatible base URL (a thunderproxy or any server). A
-    request's ``client`` is not sent: over HTTP a proxy knows its callers by their keys."""
-
-    def __init__(self, base_url: str, client: httpx.AsyncClient, *, admin_token: str = "") -> None:
-        self.base_url = base_url.rstrip("/")
-        self.client = client
-        self._headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
-
-    async def stream_chat(self, request: ChatRequest) -> AsyncIterator[ChatEvent]:
-        model = request.model
-        body = request.body()
-        body["program_id"] = request.program_id  # the proxy in front schedules the program
-        url = self.base_url + "/v1/chat/completions"
-        assembler = StreamAssembler()
-        try:
-            async with self.client.stream("POST", url, json=body) as response:
-                if response.status_code != 200:
-                    raw = await response.aread()
-                    raise MemberFailed(
-                        f"Model {model!r} answered HTTP {response.status_code} at {url}: "
-                        f"{error_message(raw)}"
-                    )
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    for event in assembler.feed_data(model, data):
-                        yield event
-        except httpx.HTTPError as exc:
-            raise MemberFailed(f"Model {model!r} could not be reached at {url}: {exc!r}") from exc
-        yield assembler.finished()
-
-    async def release(self, program_id: str) -> None:
-        """Release the program's KV hold on the proxy in front; a proxy that no longer knows
-        it (404) or a server that is not a thunderproxy needs nothing released."""
-        try:
-            await self.client.post(
-                self.base_url + "/programs/release",
-                json={"program_id": program_id},
-                headers=self._headers,
-            )
-        except httpx.HTTPError:
-            pass
