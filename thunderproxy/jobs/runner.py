@@ -34,8 +34,6 @@ from .tools import Toolbox
 
 log = logging.getLogger("thunderproxy.council")
 
-#: How long a job's programs may take to be released once it ends.
-RELEASE_GRACE_S = 5.0
 #: Jobs that ended unrecorded whose last event is kept in memory for followers that come late.
 UNRECORDED_KEPT = 256
 
@@ -273,7 +271,6 @@ class CouncilRunner:
         return self.client if owner is None else ForClient(self.client, owner)
 
     async def _run(self, job: dict[str, Any], live: LiveJob) -> None:
-        client = self._client_for(job)
         job_id = live.job_id
 
         order = trio.Lock()
@@ -286,21 +283,9 @@ class CouncilRunner:
                 live.events.append(event)
             live.notify()
 
-        models = {*self.config.members, self.config.chairman}
-        if job["title_model"]:
-            models.add(job["title_model"])
-
-        async def release() -> None:
-            # Before the last event: a client that saw the job end finds its programs gone.
-            with trio.move_on_after(RELEASE_GRACE_S) as scope:
-                scope.shield = True
-                for model in sorted(models):
-                    await client.release(pipeline.program_id(job_id, model))
-
         async def fail(message: str) -> None:
             with trio.CancelScope(shield=True):
                 try:
-                    await release()
                     await emit("error", {"message": message})
                     await self.store.update_job(
                         job_id, status="error", error=message, finished_at=self.store.now()
@@ -320,8 +305,9 @@ class CouncilRunner:
                         self._unrecorded.popitem(last=False)
 
         try:
+            # Each stage released its programs as it ended (pipeline.in_context): a client
+            # that sees the job end finds them gone.
             await self._stages(job, emit)
-            await release()
             await self.store.update_job(job_id, status="complete", finished_at=self.store.now())
             await emit("complete", {})
         except Exception as exc:
