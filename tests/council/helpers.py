@@ -4,7 +4,7 @@ a proxy in front of it with a council of them, and an SSE reader."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ import httpx
 import trio
 
 from tests.conftest import running_proxy
+from thunderproxy.council.pipeline import RANKING, SYNTHESIS, TITLE, program_id
 from thunderproxy.runtime import RunningProxy
 from thunderproxy.sim import SimConfig, Simulator, open_simulator
 
@@ -101,3 +102,16 @@ def types(events: list[dict[str, Any]]) -> list[str]:
             continue
         out.append(kind)
     return out
+
+
+def council_programs(
+    job: str, members: Sequence[str], chairman: str, title: str | None = None
+) -> set[str]:
+    """The programs one job of a council runs: each member's answer and ranking, the
+    chairman's synthesis and (on a conversation's first question) the title."""
+    programs = {program_id(job, m) for m in members}
+    programs |= {program_id(job, m, RANKING) for m in members}
+    programs.add(program_id(job, chairman, SYNTHESIS))
+    if title is not None:
+        programs.add(program_id(job, title, TITLE))
+    return programs

@@ -14,6 +14,7 @@ from tests.council.helpers import (
     MODELS,
     EventReader,
     ask_streaming,
+    council_programs,
     council_proxy,
     new_conversation,
     read_sse,
@@ -60,7 +61,8 @@ async def test_a_council_streams_three_stages_and_records_every_event(tmp_path: 
     assert [(r["seq"], r["type"]) for r in rows] == [(e["seq"], e["type"]) for e in events]
     programs = {r["program_id"] for r in query(db, "SELECT DISTINCT program_id FROM steps")}
     job = events[0]["job_id"]
-    assert programs == {f"council:{job}:{m}" for m in MODELS}
+    # A program per context: each member's answer and ranking, the synthesis, the title.
+    assert programs == council_programs(job, MODELS, MODELS[0], MODELS[0])
     released = query(
         db, "SELECT program_id FROM transitions WHERE to_status = 'stopped' AND program_id LIKE ?",
         f"council:{job}:%",
@@ -280,9 +282,9 @@ async def test_members_call_tools_through_the_proxy_within_their_budget(tmp_path
         calls = query(
             db, "SELECT count(*) AS n FROM steps WHERE program_id = ?", f"council:{job}:{model}"
         )
-        # Three stage-1 calls (two with tools, one forced answer) and one ranking; the
-        # chairman's and title model's calls are on the first member's program.
-        assert calls[0]["n"] == (6 if model == MODELS[0] else 4)
+        # Three stage-1 calls (two with tools, one forced answer) on the answer's program;
+        # its ranking, the synthesis and the title are programs of their own.
+        assert calls[0]["n"] == 3
 
 
 async def test_an_event_number_out_of_range_is_refused_before_the_stream(tmp_path: Path) -> None:

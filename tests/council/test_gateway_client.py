@@ -8,7 +8,7 @@ from pathlib import Path
 import trio
 
 from tests.conftest import query
-from tests.council.helpers import MODELS, council_proxy
+from tests.council.helpers import MODELS, council_programs, council_proxy
 from thunderproxy.council.gateway_client import GatewayChatClient
 from thunderproxy.council.pipeline import CouncilConfig
 from thunderproxy.council.runner import CouncilRunner
@@ -40,6 +40,6 @@ async def test_a_council_runs_on_the_gateway_in_process(
     assert [f["model"] for f in row.metadata["failed_members"]] == ["delta-unserved"]
     assert "delta-unserved" in row.metadata["failed_members"][0]["error"]
     programs = {r["program_id"] for r in query(db, "SELECT DISTINCT program_id FROM steps")}
-    assert programs == {f"council:{job}:{m}" for m in MODELS}
+    assert programs == council_programs(job, MODELS, MODELS[0], MODELS[1])
     released = query(db, "SELECT DISTINCT program_id FROM transitions WHERE to_status = 'stopped'")
     assert {r["program_id"] for r in released} == programs

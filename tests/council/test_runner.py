@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from tests.council.fakes import ScriptedClient
+from tests.council.helpers import council_programs
 from thunderproxy.council.errors import JobRunning, MemberFailed, StoreUnavailable, TooManyJobs
 from thunderproxy.council.llm import ChatRequest, StreamAssembler, TextDelta, ToolCall
 from thunderproxy.council.pipeline import CouncilConfig
@@ -64,9 +65,12 @@ async def test_a_second_question_carries_each_members_history(
     conversation_row = await runner.store.get_conversation(conversation)
     assert conversation_row is not None
     assert conversation_row["title"] == "A title"
-    assert sorted(client.released) == sorted(
-        f"council:{job}:{m}" for job in (first, second) for m in ("m1", "m2")
+    # Each context's program as it ended: answers, rankings, the synthesis; the first
+    # question's title too.
+    assert set(client.released) == council_programs(first, ("m1", "m2"), "m1", "m2") | (
+        council_programs(second, ("m1", "m2"), "m1")
     )
+    assert len(client.released) == len(set(client.released))
 
 
 async def test_one_job_per_conversation_even_when_two_start_at_once(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import trio
@@ -51,9 +52,34 @@ class CouncilConfig:
     max_tokens: int | None = None
 
 
-def program_id(job_id: str, model: str) -> str:
-    """Each member's calls in one job are one program, so the scheduler keeps its cache."""
-    return f"council:{job_id}:{model}"
+#: The contexts a model's calls build in one job, each a program of its own: its answer
+#: (stage 1, whose tool rounds extend it), its ranking (stage 2), the chairman's synthesis
+#: (stage 3) and the title. A ranking's prompt does not extend the member's answer, nor the
+#: synthesis either: counted as one program, each stage's call came back to a program whose
+#: cached answer it would never read, and tr held it to keep that cache (councils at 12K
+#: tokens took 1.2x default's time).
+ANSWER, RANKING, SYNTHESIS, TITLE = "answer", "ranking", "synthesis", "title"
+
+#: How long releasing a stage's program may take (the scheduler's, in process; the proxy's
+#: ``/programs/release`` behind a URL).
+RELEASE_GRACE_S = 5.0
+
+
+def program_id(job_id: str, model: str, context: str = ANSWER) -> str:
+    """The program of ``model``'s calls for one ``context`` of a job (``ANSWER`` ...)."""
+    base = f"council:{job_id}:{model}"
+    return base if context == ANSWER else f"{base}:{context}"
+
+
+async def in_context(client: ChatClient, program: str, work: Callable[[], Awaitable[str]]) -> str:
+    """``work``'s answer; then ``program`` is released, whatever ended it: the context is
+    complete, and nothing of the job reads it again, so the scheduler keeps no room for it."""
+    try:
+        return await work()
+    finally:
+        with trio.move_on_after(RELEASE_GRACE_S) as scope:
+            scope.shield = True
+            await client.release(program)
 
 
 class Chunker:
@@ -116,7 +142,7 @@ async def stage1(
             ok = not result.startswith("Error:")
             await emit(Stage1Tool(model, round_, call.name, call.arguments, len(result), ok))
 
-        async def work() -> str:
+        async def reply() -> str:
             return await answer_with_tools(
                 client,
                 model=model,
@@ -128,6 +154,9 @@ async def stage1(
                 max_rounds=config.tool_rounds,
                 max_tokens=config.max_tokens,
             )
+
+        async def work() -> str:
+            return await in_context(client, program_id(job_id, model), reply)
 
         answer, error = await _member(model, config.member_timeout_s, work)
         await chunks.flush()
@@ -194,15 +223,18 @@ async def stage2(
     async def one(model: str) -> None:
         chunks = Chunker(emit, "stage2_chunk", model)
 
+        program = program_id(job_id, model, RANKING)
+
         async def work() -> str:
-            return await stream_text(
+            return await in_context(client, program, partial(
+                stream_text,
                 client,
                 model=model,
                 messages=[{"role": "user", "content": prompt}],
-                program=program_id(job_id, model),
+                program=program,
                 chunks=chunks,
                 max_tokens=config.max_tokens,
-            )
+            ))  # fmt: skip
 
         text, error = await _member(model, config.member_timeout_s, work)
         if text is None:
@@ -239,15 +271,18 @@ async def stage3(
     prompt = deliberation.stage3_prompt(question, answers, rankings)
     chunks = Chunker(emit, "stage3_chunk", model)
 
+    program = program_id(job_id, model, SYNTHESIS)
+
     async def work() -> str:
-        return await stream_text(
+        return await in_context(client, program, partial(
+            stream_text,
             client,
             model=model,
             messages=deliberation.stage3_history(turns, prompt),
-            program=program_id(job_id, model),
+            program=program,
             chunks=chunks,
             max_tokens=config.max_tokens,
-        )
+        ))  # fmt: skip
 
     text, error = await _member(model, config.member_timeout_s, work)
     if text is not None and text.strip():
@@ -266,15 +301,18 @@ async def title(
 ) -> str | None:
     """A short conversation title; best effort (None when the title model fails)."""
 
+    program = program_id(job_id, config.title_model, TITLE)
+
     async def work() -> str:
-        return await stream_text(
+        return await in_context(client, program, partial(
+            stream_text,
             client,
             model=config.title_model,
             messages=[{"role": "user", "content": deliberation.title_prompt(question)}],
-            program=program_id(job_id, config.title_model),
+            program=program,
             chunks=None,
             max_tokens=24,
-        )
+        ))  # fmt: skip
 
     text, _ = await _member(config.title_model, config.member_timeout_s, work)
     return deliberation.clean_title(text) if text else None

@@ -47,8 +47,6 @@ from .tools import Toolbox
 
 log = logging.getLogger("thunderproxy.council")
 
-#: How long a job's programs may take to be released once it ends.
-RELEASE_GRACE_S = 5.0
 #: Jobs that ended unrecorded whose last event is kept in memory for followers that come late.
 UNRECORDED_KEPT = 256
 
@@ -285,7 +283,6 @@ class CouncilRunner:
         return self.client if job.client is None else ForClient(self.client, job.client)
 
     async def _run(self, job: Job, live: LiveJob) -> None:
-        client = self._client_for(job)
         job_id = live.job_id
 
         order = trio.Lock()
@@ -299,21 +296,9 @@ class CouncilRunner:
                 live.events.append(stored)
             live.notify()
 
-        models = {*self.config.members, self.config.chairman}
-        if job.title_model:
-            models.add(job.title_model)
-
-        async def release() -> None:
-            # Before the last event: a client that saw the job end finds its programs gone.
-            with trio.move_on_after(RELEASE_GRACE_S) as scope:
-                scope.shield = True
-                for model in sorted(models):
-                    await client.release(pipeline.program_id(job_id, model))
-
         async def fail(message: str) -> None:
             with trio.CancelScope(shield=True):
                 try:
-                    await release()
                     await emit(Failed(message))
                     await self.store.update_job(
                         job_id, status="error", error=message, finished_at=self.store.now()
@@ -334,8 +319,9 @@ class CouncilRunner:
                         self._unrecorded.popitem(last=False)
 
         try:
+            # Each stage released its programs as it ended (pipeline.in_context): a client
+            # that sees the job end finds them gone.
             await self._stages(job, emit)
-            await release()
             await self.store.update_job(job_id, status="complete", finished_at=self.store.now())
             await emit(Complete())
         except Exception as exc:
