@@ -17,6 +17,8 @@ import trio.testing
 from thunderproxy.audit import AuditLog, StepRecord
 from thunderproxy.audit.records import AuditRecord, RejectionRecord
 from thunderproxy.backends import BackendPool, UpstreamRequest
+from thunderproxy.config import Settings
+from thunderproxy.core import build_core
 from thunderproxy.errors import (
     BackendTimeout,
     BackendUnavailable,
@@ -25,9 +27,6 @@ from thunderproxy.errors import (
 from thunderproxy.gateway import Call, Gateway
 from thunderproxy.http.sse import OPENAI
 from thunderproxy.programs import ProgramRegistry
-from thunderproxy.programs.profile import Profiles
-from thunderproxy.scheduling import DefaultPolicy, Scheduler
-from thunderproxy.scheduling.policy import PolicyConfig
 
 URL = "http://fake"
 USAGE = {
@@ -110,13 +109,9 @@ def rig(backend: ScriptedBackend, **timeouts: float) -> Rig:
     audit = AuditLog(send, run_id=1)
     pool = BackendPool(aliases={"coder": ["served-coder"]})
     pool.attach(URL, backend, models=["served-coder", "m"])
-    scheduler = Scheduler(
-        policy=DefaultPolicy(PolicyConfig()),
-        registry=ProgramRegistry(),
-        pool=pool,
-        audit=audit,
-    )
-    gateway = Gateway(pool=pool, scheduler=scheduler, audit=audit, profiles=Profiles(), **timeouts)
+    # A registry that records no transitions: the channel holds only what the gateway records.
+    settings = Settings(router="default", **timeouts)
+    gateway = build_core(settings, pool, audit, registry=ProgramRegistry()).gateway
     return Rig(gateway, backend, receive)
 
 

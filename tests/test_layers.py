@@ -28,6 +28,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "runtime",
         "jobs worker explore",
         "http",
+        "core",
         "admission",
         "gateway",
         "protocols statistics",
