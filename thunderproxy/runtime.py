@@ -43,10 +43,11 @@ from .core import Core, Service, build_core, recording_registry
 from .descriptors import quiet_trio_accept_log
 from .errors import ConfigError
 from .explore import mount_datasette
-from .http.app import Services, create_app
+from .http.app import create_app
 from .http.drain import drain_then_stop
 from .http.front import serve_front
 from .http.readiness import Readiness
+from .http.services import Services
 from .jobs import Council, open_council, serve_council
 from .jobs.gateway_client import GatewayChatClient
 from .programs import ProgramRegistry, restore
@@ -275,8 +276,10 @@ class _Starter:
         self.background = background
         self.components = Components()
 
-    async def component(self, name: str, service: Service) -> None:
-        await self.nursery.start(_component(self.background, self.components, name, service))
+    async def component(self, name: str, service: Service, restart: Restart = RESTART) -> None:
+        await self.nursery.start(
+            _component(self.background, self.components, name, service, restart)
+        )
 
 
 async def _check_startup(settings: Settings, reuse_port: bool) -> socket.socket:
