@@ -40,13 +40,11 @@ from thunderproxy.audit import AuditLog
 from thunderproxy.audit.records import AuditRecord
 from thunderproxy.backends import BackendPool, UpstreamRequest
 from thunderproxy.backends.mock import MockBackend, MockResponse
-from thunderproxy.config import load_settings
+from thunderproxy.config import Settings, load_settings
+from thunderproxy.core import build_core
 from thunderproxy.gateway import Gateway
 from thunderproxy.programs import ProgramRegistry
-from thunderproxy.programs.profile import Profiles
 from thunderproxy.runtime import RunningProxy, run
-from thunderproxy.scheduling import DefaultPolicy, Scheduler
-from thunderproxy.scheduling.policy import PolicyConfig
 
 if TYPE_CHECKING:
     from tests.fakebackend import FakeBackend
@@ -304,13 +302,9 @@ def rig(backend: ScriptedBackend, **timeouts: float) -> Rig:
     audit = AuditLog(send, run_id=1)
     pool = BackendPool(aliases={"coder": ["served-coder"]})
     pool.attach(URL, backend, models=["served-coder", "m"])
-    scheduler = Scheduler(
-        policy=DefaultPolicy(PolicyConfig()),
-        registry=ProgramRegistry(),
-        pool=pool,
-        audit=audit,
-    )
-    gateway = Gateway(pool=pool, scheduler=scheduler, audit=audit, profiles=Profiles(), **timeouts)
+    # A registry that records no transitions: the channel holds only what the gateway records.
+    config = Settings(router="default", **timeouts)
+    gateway = build_core(config, pool, audit, registry=ProgramRegistry()).gateway
     return Rig(gateway, backend, receive)
 
 

@@ -28,6 +28,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "runtime",
         "council worker explore",
         "http",
+        "core",
         "admission",
         "gateway",
         "protocols statistics",

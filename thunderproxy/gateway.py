@@ -43,7 +43,6 @@ from .errors import (
     ProxyStopping,
     ThunderproxyError,
     describe,
-    reason,
 )
 from .programs import StepUsage
 from .programs.profile import Profiles
@@ -658,17 +657,13 @@ class Gateway:
     def _reject(self, call: Call, error: ThunderproxyError) -> None:
         if isinstance(error, ModelNotFound):
             self._tell_model_not_found(error.model)
-        status, error_type = describe(error)
         self.audit.record(
-            RejectionRecord(
+            RejectionRecord.refused(
+                error,
                 at=trio.current_time(),
                 method=call.method,
                 path=call.endpoint,
-                status=status,
-                error_type=error_type,
-                message=error.message,
                 program_id=call.program_id,
-                reason=reason(error),
                 client=call.client,
             )
         )

@@ -33,31 +33,25 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from . import __version__
-from .admission.service import AdmissionService, instance_name
-from .admission.shared import RedisLink, SharedLimits
-from .admission.shared_kv import SharedBackends
 from .audit import AuditLog, serve_audit_writer
-from .audit.records import TransitionRecord
 from .audit.writer import check_database_path
 from .backends import BackendPool, open_backend_pool
-from .backends.poller import serve_metrics_poller, wait_until_ready
+from .backends.poller import wait_until_ready
 from .clock import WallClock
 from .config import RECOGNITION_SOURCES, Settings, load_settings, recognition_sources
-from .council import open_council, serve_council
+from .core import Core, Service, build_core, recording_registry
+from .council import Council, open_council, serve_council
 from .council.gateway_client import GatewayChatClient
 from .descriptors import quiet_trio_accept_log
 from .errors import ConfigError
 from .explore import mount_datasette
-from .gateway import Gateway
-from .http.app import Services, create_app
+from .http.app import create_app
 from .http.drain import drain_then_stop
 from .http.front import serve_front
 from .http.readiness import Readiness
+from .http.services import Services
 from .programs import ProgramRegistry, restore
-from .programs.profile import Profiles
 from .protocols.recognition import ProgramRecognizer, RecognitionConfig
-from .scheduling import Scheduler, policy_named
-from .scheduling.scheduler import serve_resume_monitor
 from .statistics import Counters
 from .supervision import RESTART, Components, Restart, supervised
 from .worker import (
@@ -274,6 +268,190 @@ def _unknown_models_line(pool: BackendPool) -> str:
     return f"; calls naming a model no backend serves go to {model!r} ({why})"
 
 
+class _Starter:
+    """Starts the run's long-lived tasks in its nursery, each as a supervised component."""
+
+    def __init__(self, nursery: trio.Nursery, background: Background) -> None:
+        self.nursery = nursery
+        self.background = background
+        self.components = Components()
+
+    async def component(self, name: str, service: Service, restart: Restart = RESTART) -> None:
+        await self.nursery.start(
+            _component(self.background, self.components, name, service, restart)
+        )
+
+
+async def _check_startup(settings: Settings, reuse_port: bool) -> socket.socket:
+    """The listening socket, once the port and the ``--db`` path are known to be usable."""
+    listener = bind_listener(settings.host, settings.port, reuse_port=reuse_port)
+    try:
+        await trio.to_thread.run_sync(check_database_path, settings.db)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+async def _add_backends(
+    settings: Settings, pool: BackendPool, nursery: trio.Nursery, background: Background
+) -> None:
+    """The configured backends, or an embedded simulator when none are given."""
+    for spec in settings.backend_specs:
+        pool.add(spec.url, models=spec.models)
+    if not settings.backends:
+        pool.add(await _embedded_simulator(nursery, background, settings.sim))
+
+
+async def _start_audit(settings: Settings, pool: BackendPool, start: _Starter) -> AuditLog:
+    """The audit writer: the db migrated and this run's row written, then its write loop."""
+    run_info = {
+        "version": __version__,
+        "router": settings.router,
+        "backends": pool.urls,
+        "settings": settings.public(),
+    }
+    audit: AuditLog = await start.nursery.start(
+        partial(
+            serve_audit_writer,
+            settings.db,
+            run_info=run_info,
+            queue_size=settings.audit_queue,
+            components=start.components,
+        )
+    )
+    return audit
+
+
+async def _start_core(
+    settings: Settings, pool: BackendPool, audit: AuditLog, clock: WallClock, start: _Starter
+) -> Core:
+    """The core (``core.py``) over the programs restored from the db, and its Redis
+    heartbeats, each ready after its first beat."""
+    registry = recording_registry(audit)
+    if settings.restore:
+        await _restore_programs(registry, settings.db, clock)
+    core = build_core(settings, pool, audit, registry=registry, offset=clock.unix(0.0))
+    for name, service in core.shared:
+        await start.component(name, service)
+    return core
+
+
+async def _worker_state(settings: Settings, audit: AuditLog) -> WorkerState | None:
+    """Worker mode's state (docs/WORKER.md), with the request numbers already served; None
+    when worker mode is off."""
+    worker_cfg = worker_config(settings, os.environ)
+    worker = None if worker_cfg is None else WorkerState(worker_cfg, audit.record)
+    if worker is not None:
+        # Request numbers accepted before a restart: their replays are refused too.
+        await restore_seen(worker, settings.db)
+    if worker_cfg is not None and worker_cfg.unsecured:
+        log.warning(
+            "worker mode with --unsecured: requests are NOT checked for the "
+            "autoscaler's signature; anyone who can reach this port can use it. "
+            "For local development only."
+        )
+    return worker
+
+
+def _services(settings: Settings, core: Core, clock: WallClock, start: _Starter) -> Services:
+    """What the routes use: the core, readiness (not ready until the backends answer) and the
+    counters every audit record feeds."""
+    pool = core.pool
+    counters = Counters()
+    core.audit.observers.append(counters.observe)
+    return Services(
+        settings=settings,
+        gateway=core.gateway,
+        profiles=core.profiles,
+        clock=clock,
+        readiness=Readiness(lambda: [b.url for b in pool if not b.healthy]),
+        recognizer=ProgramRecognizer(recognition_config(settings)),
+        counters=counters,
+        components=start.components,
+    )
+
+
+@dataclass(frozen=True)
+class _Http:
+    """What the HTTP server serves and how it stops."""
+
+    settings: Settings
+    services: Services
+    council: Council
+    worker: WorkerState | None
+    listener: socket.socket
+    shutdown: trio.Event
+    background: Background
+
+    async def serve(self, *, task_status: trio.TaskStatus[list[str]]) -> None:
+        """Serve until the shutdown event, drained (http/drain.py); then stop the background
+        services and let the writer flush."""
+        settings = self.settings
+        gateway = self.services.gateway
+        app = create_app(self.services)
+        app.register_blueprint(self.council.blueprint)
+        # The front serves the LLM routes itself and Hypercorn the rest (http/front.py);
+        # TLS is Hypercorn's alone.
+        front = settings.http_front == "fast" and not settings.certfile
+        config = hypercorn_config(settings, None if front else self.listener)
+
+        async def stopping() -> None:
+            await self.shutdown.wait()
+            gateway.stopping = True  # calls cut from now on are not the clients' doing
+            # The app drains first, Hypercorn stops after it (see http/drain.py).
+            await drain_then_stop(self.shutdown, app.drain, config, settings.shutdown_grace)
+
+        async with mount_datasette(app, settings, self.services) as served:
+            outer = served if self.worker is None else WorkerMiddleware(served, self.worker)
+            if front:
+                await serve_front(
+                    outer,  # type: ignore[arg-type]
+                    config,
+                    self.listener,
+                    shutdown_trigger=stopping,
+                    task_status=task_status,
+                )
+            else:
+                quiet_trio_accept_log()
+                await serve(
+                    outer,  # type: ignore[arg-type]
+                    config,
+                    shutdown_trigger=stopping,  # type: ignore[arg-type]
+                    task_status=task_status,
+                )
+        # Requests are drained: stop the pollers, then let the writer flush.
+        self.background.cancel()
+        await self.council.aclose()
+        await gateway.audit.aclose()
+
+
+async def _start_pollers(
+    settings: Settings, core: Core, worker: WorkerState | None, start: _Starter
+) -> None:
+    """Wait for the backends (the worker waits itself), then the metrics poller and the
+    resume monitor; a stop while starting ends the wait at once."""
+    with start.background.scope():
+        if worker is None:
+            await _wait_for_backends(core.pool, settings.ready_timeout)
+        await start.component("metrics_poller", core.metrics_poller())
+        await start.component("resume_monitor", core.resume_monitor())
+
+
+def _log_listening(settings: Settings, pool: BackendPool, url: str, reuse_port: bool) -> None:
+    log.info(
+        "thunderproxy %s %s %s (router=%s, backends=%s, db=%s)%s",
+        __version__,
+        # One of several processes on the port: the supervisor says when all listen.
+        "worker serving on" if reuse_port else "listening on",
+        url,
+        settings.router,
+        ",".join(pool.urls),
+        settings.db,
+        _unknown_models_line(pool),
+    )
+
+
 async def run(
     settings: Settings,
     *,
@@ -288,14 +466,8 @@ async def run(
     backends answered /health (or ``ready_timeout`` passed) and LLM calls are served."""
     shutdown = shutdown or trio.Event()
     # Everything a newcomer can get wrong is checked before anything starts (simulator too).
-    listener = bind_listener(settings.host, settings.port, reuse_port=reuse_port)
-    try:
-        await trio.to_thread.run_sync(check_database_path, settings.db)
-    except BaseException:
-        listener.close()
-        raise
+    listener = await _check_startup(settings, reuse_port)
     background = Background()
-    components = Components()
     clock = WallClock()
     pool_ctx = open_backend_pool(
         connect_timeout=settings.connect_timeout,
@@ -305,253 +477,39 @@ async def run(
     )
     with trio.CancelScope() as force, listener:
         async with pool_ctx as pool, trio.open_nursery() as nursery:
-            for spec in settings.backend_specs:
-                pool.add(spec.url, models=spec.models)
-            if not settings.backends:
-                pool.add(await _embedded_simulator(nursery, background, settings.sim))
-            run_info = {
-                "version": __version__,
-                "router": settings.router,
-                "backends": pool.urls,
-                "settings": settings.public(),
-            }
-            audit: AuditLog = await nursery.start(
-                partial(
-                    serve_audit_writer,
-                    settings.db,
-                    run_info=run_info,
-                    queue_size=settings.audit_queue,
-                    components=components,
-                )
-            )
-            registry = ProgramRegistry(lambda t: audit.record(TransitionRecord(t)))
-            if settings.restore:
-                await _restore_programs(registry, settings.db, clock)
-            profiles = Profiles()
-            # With Redis, tr subtracts what the other instances' programs claim on each
-            # backend from its capacity, and publishes its own claim.
-            # One line when Redis is lost and one when it is back, for the parts together.
-            link = RedisLink(settings.redis) if settings.redis else None
-            kv = (
-                SharedBackends(
-                    settings.redis,
-                    instance_name(settings),
-                    heartbeat_s=settings.redis_heartbeat,
-                    link=link,
-                    # 0 (never retired): a day, so Redis does not keep every program for ever.
-                    affinity_ttl_s=settings.policy.idle_lease_s or 86_400.0,
-                )
-                if settings.redis
-                else None
-            )
-            scheduler = Scheduler(
-                policy=policy_named(settings.router, settings.policy),
-                registry=registry,
-                pool=pool,
-                audit=audit,
-                other_tokens=None if kv is None else kv.others,
-                affinity=kv,
-                # tr's fit test made again in Redis for calls that were not running.
-                claims=kv if settings.router == "tr" else None,
-            )
-            if kv is not None:
-                await nursery.start(
-                    _component(
-                        background,
-                        components,
-                        "shared_kv",
-                        partial(kv.serve, clock.unix(0.0), scheduler.used_by_backend),
-                    )
-                )
-            admission = None
-            if settings.limits is not None:
-                instance = instance_name(settings)
-                shared = (
-                    SharedLimits(
-                        settings.redis, instance, heartbeat_s=settings.redis_heartbeat, link=link
-                    )
-                    if settings.redis
-                    else None
-                )
-                admission = AdmissionService(
-                    settings.limits,
-                    pool=pool,
-                    audit=audit,
-                    instance=instance,
-                    offset=clock.unix(0.0),
-                    shared=shared,
-                    place=scheduler.predict,
-                )
-                for spec in settings.backend_specs:
-                    admission.limiter.name_backend(spec.url, spec.name)
-                if shared is not None:
-                    # The first heartbeat sets this instance's share before any call is admitted.
-                    await nursery.start(
-                        _component(
-                            background,
-                            components,
-                            "shared_limits",
-                            partial(shared.serve, clock.unix(0.0), admission.limiter.set_share),
-                        )
-                    )
-            gateway = Gateway(
-                pool=pool,
-                scheduler=scheduler,
-                audit=audit,
-                profiles=profiles,
-                first_byte_timeout=settings.first_byte_timeout,
-                read_timeout=settings.read_timeout,
-                admission=admission,
-                key_receivers=frozenset()
-                if settings.clients is None
-                else settings.clients.receiving([(b.url, b.name) for b in settings.backend_specs]),
-            )
-            worker_cfg = worker_config(settings, os.environ)
-            worker = None if worker_cfg is None else WorkerState(worker_cfg, audit.record)
-            if worker is not None:
-                # Request numbers accepted before a restart: their replays are refused too.
-                await restore_seen(worker, settings.db)
-            if worker_cfg is not None and worker_cfg.unsecured:
-                log.warning(
-                    "worker mode with --unsecured: requests are NOT checked for the "
-                    "autoscaler's signature; anyone who can reach this port can use it. "
-                    "For local development only."
-                )
-            readiness = Readiness(lambda: [b.url for b in pool if not b.healthy])
-            counters = Counters()
-            audit.observers.append(counters.observe)
-            services = Services(
-                settings=settings,
-                gateway=gateway,
-                profiles=profiles,
-                clock=clock,
-                readiness=readiness,
-                recognizer=ProgramRecognizer(recognition_config(settings)),
-                counters=counters,
-                components=components,
-            )
+            start = _Starter(nursery, background)
+            await _add_backends(settings, pool, nursery, background)
+            audit = await _start_audit(settings, pool, start)
+            core = await _start_core(settings, pool, audit, clock, start)
+            worker = await _worker_state(settings, audit)
+            services = _services(settings, core, clock, start)
             if handle_signals:
                 nursery.start_soon(_stop_on_signals, shutdown, force, background)
             council = await open_council(settings, db_generation=lambda: audit.generation)
-
-            async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
-                app = create_app(services)
-                app.register_blueprint(council.blueprint)
-                # The front serves the LLM routes itself and Hypercorn the rest (http/front.py);
-                # TLS is Hypercorn's alone.
-                front = settings.http_front == "fast" and not settings.certfile
-                config = hypercorn_config(settings, None if front else listener)
-
-                async def stopping() -> None:
-                    await shutdown.wait()
-                    gateway.stopping = True  # calls cut from now on are not the clients' doing
-                    # The app drains first, Hypercorn stops after it (see http/drain.py).
-                    await drain_then_stop(shutdown, app.drain, config, settings.shutdown_grace)
-
-                async with mount_datasette(app, settings, services) as served:
-                    outer = served if worker is None else WorkerMiddleware(served, worker)
-                    if front:
-                        await serve_front(
-                            outer,  # type: ignore[arg-type]
-                            config,
-                            listener,
-                            shutdown_trigger=stopping,
-                            task_status=task_status,
-                        )
-                    else:
-                        quiet_trio_accept_log()
-                        await serve(
-                            outer,  # type: ignore[arg-type]
-                            config,
-                            shutdown_trigger=stopping,  # type: ignore[arg-type]
-                            task_status=task_status,
-                        )
-                # Requests are drained: stop the pollers, then let the writer flush.
-                background.cancel()
-                await council.aclose()
-                await audit.aclose()
-
-            binds: list[str] = await nursery.start(serve_http)
-            log.info(
-                "accepting connections at %s; LLM calls get 503 until backends are ready", binds[0]
-            )
+            http = _Http(settings, services, council, worker, listener, shutdown, background)
+            binds: list[str] = await nursery.start(http.serve)
+            url = binds[0]
+            log.info("accepting connections at %s; LLM calls get 503 until backends are ready", url)
             if worker is not None:
                 # Reports and the beacon run from now on; the worker waits for the backends
                 # itself, up to --worker-ready-timeout, and benchmarks them.
-                await nursery.start(
-                    _component(
-                        background,
-                        components,
-                        "worker",
-                        partial(
-                            serve_worker,
-                            worker,
-                            pool,
-                            url=binds[0],
-                            signals=signals_from_services(services),
-                        ),
-                    )
+                signals = signals_from_services(services)
+                await start.component(
+                    "worker", partial(serve_worker, worker, pool, url=url, signals=signals)
                 )
-            with background.scope():
-                # A stop while starting ends the wait at once.
-                if worker is None:
-                    await _wait_for_backends(pool, settings.ready_timeout)
-                await nursery.start(
-                    _component(
-                        background,
-                        components,
-                        "metrics_poller",
-                        partial(
-                            serve_metrics_poller,
-                            pool,
-                            audit,
-                            interval=settings.metrics_interval,
-                            loads=registry.sample_loads,
-                            metrics=settings.metrics,
-                        ),
-                    )
-                )
-                await nursery.start(
-                    _component(
-                        background,
-                        components,
-                        "resume_monitor",
-                        partial(
-                            serve_resume_monitor, scheduler, interval=settings.monitor_interval
-                        ),
-                    )
-                )
+            await _start_pollers(settings, core, worker, start)
             if background.cancelled:
                 return
-            readiness.set_ready()
+            services.readiness.set_ready()
             # Council jobs call the gateway in process; they start (or resume) once LLM calls
             # are served, like any client's.
-            await nursery.start(
-                _component(
-                    background,
-                    components,
-                    "council",
-                    partial(
-                        serve_council,
-                        council,
-                        settings,
-                        shutdown=shutdown,
-                        client=GatewayChatClient(gateway),
-                    ),
-                )
+            client = GatewayChatClient(core.gateway)
+            await start.component(
+                "council",
+                partial(serve_council, council, settings, shutdown=shutdown, client=client),
             )
-            log.info(
-                "thunderproxy %s %s %s (router=%s, backends=%s, db=%s)%s",
-                __version__,
-                # One of several processes on the port: the supervisor says when all listen.
-                "worker serving on" if reuse_port else "listening on",
-                binds[0],
-                settings.router,
-                ",".join(pool.urls),
-                settings.db,
-                _unknown_models_line(pool),
-            )
-            task_status.started(RunningProxy(binds[0], services, audit, shutdown, worker))
+            _log_listening(settings, pool, url, reuse_port)
+            task_status.started(RunningProxy(url, services, audit, shutdown, worker))
 
 
 @asynccontextmanager

@@ -150,7 +150,7 @@ async def test_a_waiting_client_that_leaves_is_not_sent_upstream(tmp_path: Path)
                     await impatient.post("/v1/chat/completions", json=chat(BIG, "leaver"))
 
             def waiting() -> int:
-                stats = proxy.services.statistics().admission
+                stats = proxy.services.snapshot().admission
                 assert stats is not None
                 return int(stats["models"][BIG]["classes"]["interactive"]["waiting"])
 

@@ -13,6 +13,8 @@ from tests.scheduling.test_scheduler import B0, B1, CFG, begin, end, snapshot
 from thunderproxy.audit import AuditLog
 from thunderproxy.audit.records import AuditRecord
 from thunderproxy.backends import open_backend_pool
+from thunderproxy.config import Settings
+from thunderproxy.core import build_core
 from thunderproxy.programs import ProgramRegistry, ProgramStatus, StepUsage
 from thunderproxy.programs.ending import (
     ENDED_FLOOR_S,
@@ -20,7 +22,6 @@ from thunderproxy.programs.ending import (
     ended_after,
     presumed_ended,
 )
-from thunderproxy.scheduling import Scheduler, TrPolicy
 from thunderproxy.scheduling.scheduler import serve_resume_monitor
 
 
@@ -96,12 +97,9 @@ async def test_a_finished_program_never_released_stops_holding_capacity_and_plac
     async with open_backend_pool([B0, B1]) as pool:
         for url in (B0, B1):
             pool.get(url).snapshot = snapshot(10_000)  # type: ignore[union-attr]
-        sched = Scheduler(
-            policy=TrPolicy(config),
-            registry=ProgramRegistry(),
-            pool=pool,
-            audit=AuditLog(send, run_id=1),
-        )
+        settings = Settings(router="tr", policy=config)
+        audit = AuditLog(send, run_id=1)
+        sched = build_core(settings, pool, audit, registry=ProgramRegistry()).scheduler
 
         async def step(program_id: str, tokens: int) -> None:
             lease = await begin(sched, program_id, arrived_at=trio.current_time(),

@@ -13,11 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from thunderproxy.audit import AuditLog
-from thunderproxy.audit.records import AuditRecord, TransitionRecord
+from thunderproxy.audit.records import AuditRecord
 from thunderproxy.backends import BackendPool, Route, open_backend_pool
+from thunderproxy.config import Settings
+from thunderproxy.core import build_core
 from thunderproxy.errors import NoBackendAvailable
-from thunderproxy.programs import ProgramRegistry, StepUsage
-from thunderproxy.scheduling import Scheduler, TrPolicy
+from thunderproxy.programs import StepUsage
+from thunderproxy.scheduling import Scheduler
 from thunderproxy.scheduling.costs import HoldLedger
 from thunderproxy.scheduling.learners import (
     DEFAULT_CHARS_PER_TOKEN,
@@ -25,7 +27,6 @@ from thunderproxy.scheduling.learners import (
     PromptSizer,
     fit,
 )
-from thunderproxy.scheduling.policy import PolicyConfig
 
 B0, B1, B2 = "http://b0", "http://b1", "http://b2"
 
@@ -34,12 +35,7 @@ B0, B1, B2 = "http://b0", "http://b1", "http://b2"
 async def scheduler() -> AsyncIterator[Scheduler]:
     send, _receive = trio.open_memory_channel[AuditRecord](100_000)
     async with open_backend_pool([B0, B1, B2]) as pool:
-        yield Scheduler(
-            policy=TrPolicy(PolicyConfig()),
-            registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),
-            pool=pool,
-            audit=AuditLog(send, run_id=1),
-        )
+        yield build_core(Settings(router="tr"), pool, AuditLog(send, run_id=1)).scheduler
 
 
 async def _load(scheduler: Scheduler, program_id: str, url: str) -> None:

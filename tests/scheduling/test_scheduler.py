@@ -105,6 +105,9 @@ async def open_harness(
     send, receive = trio.open_memory_channel[AuditRecord](100_000)
     async with open_backend_pool([B0]) as pool:
         pool.get(B0).snapshot = snapshot(capacity)  # type: ignore[union-attr]
+        # The Scheduler class itself, built here rather than by core.build_core: these tests
+        # hand it a policy config of their own and the SharedBackends they made (over a test
+        # Redis), which build_core would make itself from a URL.
         scheduler = Scheduler(
             policy=TrPolicy(cfg),
             registry=ProgramRegistry(lambda t: send.send_nowait(TransitionRecord(t))),

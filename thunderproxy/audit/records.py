@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol
 
+from ..errors import ThunderproxyError, describe, reason
 from ..steps import StepUsage, Transition
 
 ToUnix = Callable[[float], float]
@@ -341,6 +342,33 @@ class RejectionRecord:
     reason: str = "other"
     #: The configured client that sent it, once its key was checked; None otherwise.
     client: str | None = None
+
+    @classmethod
+    def refused(
+        cls,
+        error: ThunderproxyError,
+        *,
+        at: float,
+        method: str,
+        path: str,
+        program_id: str | None,
+        client: str | None,
+    ) -> RejectionRecord:
+        """The row of a request ``error`` refused: its status and type from the one table
+        (errors.py), its message, and its class as the reason. Every refusal is told this way,
+        the gateway's and both HTTP paths' alike."""
+        status, error_type = describe(error)
+        return cls(
+            at=at,
+            method=method,
+            path=path,
+            status=status,
+            error_type=error_type,
+            message=error.message,
+            program_id=program_id,
+            reason=reason(error),
+            client=client,
+        )
 
     def row(self, to_unix: ToUnix) -> dict[str, Any]:
         row = _stamped(self, to_unix)

@@ -30,6 +30,10 @@ alone fits into the space a refused transaction left in the WAL file.
 
 The write loop is a supervised component (``audit_writer``, ``supervision.py``): an unexpected
 failure restarts it with the same channel, so no producer ever sees it.
+
+``AuditWriter`` holds the writer's state and its parts (the flush, the storage probe, the file
+check and reopening, the write loop, the stop), each of which a test can drive alone;
+``serve_audit_writer`` opens one and runs it.
 """
 
 from __future__ import annotations
@@ -534,6 +538,253 @@ class _RunRow:
             return self.insert(conn)
 
 
+class AuditWriter:
+    """The one writer of the audit db, in parts that can each be driven alone: ``flush`` (write
+    what is pending, waiting out a held write lock), ``probe_storage`` (whether a db refusing
+    writes takes them again), ``check_file`` (a db file deleted or replaced under it, opened
+    again by ``reopen``), ``write_loop`` (batches from the channel, and the checks every
+    ``check_interval``) and ``stop`` (the flush of every accepted record, then this run's stop
+    time). ``open`` makes one over a migrated db with this run's row written;
+    :func:`serve_audit_writer` runs it."""
+
+    def __init__(
+        self,
+        path: str,
+        conn: sqlite3.Connection,
+        run_row: _RunRow,
+        run_id: int,
+        clock: WallClock,
+        *,
+        queue_size: int,
+        check_interval: float,
+        identity: tuple[int, int] | None,
+        sidecars: dict[str, tuple[int, int] | None],
+    ) -> None:
+        self.path = path
+        self.clock = clock
+        self.run_row = run_row
+        self.check_interval = check_interval
+        #: (device, inode) of the db file it has open, and of its -wal and -shm files.
+        self.identity = identity
+        self.sidecars = sidecars
+        send, self.receive = trio.open_memory_channel[AuditRecord](queue_size)
+        #: The producers' side, handed out once the writer is open.
+        self.audit = AuditLog(send, run_id, path=path)
+        self.batches = _BatchWriter(conn, run_id, clock.unix)
+        #: Records taken from the channel and not yet written.
+        self.pending: list[AuditRecord] = []
+        self.busy_pause = BUSY_PAUSE_S
+
+    @classmethod
+    async def open(
+        cls,
+        path: str,
+        *,
+        run_info: Mapping[str, Any],
+        queue_size: int = 10_000,
+        check_interval: float | None = None,
+    ) -> AuditWriter:
+        """Migrate the db at ``path`` and write this run's row; ``check_interval``: seconds
+        between checks of the db file (``DB_CHECK_INTERVAL_S`` if None)."""
+        clock = WallClock()
+        conn = await trio.to_thread.run_sync(open_database, path)
+        identity = file_identity(path) if path != ":memory:" else None
+        sidecars = await trio.to_thread.run_sync(_sidecar_identities, path)
+        run_row = _RunRow(run_info, clock.unix(trio.current_time()))
+        run_id = await trio.to_thread.run_sync(run_row.insert, conn)
+        return cls(
+            path,
+            conn,
+            run_row,
+            run_id,
+            clock,
+            queue_size=queue_size,
+            check_interval=DB_CHECK_INTERVAL_S if check_interval is None else check_interval,
+            identity=identity,
+            sidecars=sidecars,
+        )
+
+    async def flush(self, *, stopping: bool = False) -> None:
+        """Write ``pending``; a batch refused for the write lock stays pending and is tried
+        again after a pause (the pause is where a stop may cancel the wait). Once the log is
+        closing, only the stop's flush (``stopping``, bounded by its grace) keeps trying."""
+        audit, pending = self.audit, self.pending
+        while pending:
+            batch = pending[:]
+            # An accepted batch is written even if the run is being cancelled meanwhile.
+            with trio.CancelScope(shield=True):
+                outcome = await trio.to_thread.run_sync(self.batches.write, batch)
+            if outcome.busy:
+                if audit.busy_retries == 0:
+                    log.warning(
+                        "audit: the db %r is locked by another connection (a backup or "
+                        "VACUUM?); batches wait and are tried again, counted under "
+                        "audit.busy_retries",
+                        self.path,
+                    )
+                audit.busy_retries += 1
+                if audit.closing and not stopping:
+                    return
+                await trio.sleep(self.busy_pause)
+                self.busy_pause = min(BUSY_MAX_PAUSE_S, self.busy_pause * 2)
+                continue
+            self.busy_pause = BUSY_PAUSE_S
+            del pending[: len(batch)]
+            self._count(outcome)
+
+    def _count(self, outcome: BatchOutcome) -> None:
+        """A written batch's figures into the log, and whether the db refuses for its storage."""
+        audit = self.audit
+        audit.written += outcome.written
+        audit.invalid += outcome.invalid
+        audit.batches += 1
+        for cause in outcome.refused:
+            audit.count_dropped(cause)
+        now = trio.current_time()
+        if outcome.storage is not None:
+            audit.storage_refused(*outcome.storage, outcome.storage_lost, now)
+        elif outcome.written:
+            audit.storage_recovered(now)
+
+    async def probe_storage(self) -> None:
+        """With no rows coming, ask the db whether it takes writes again."""
+        trouble = self.audit.storage
+        if trouble is None or self.path == ":memory:":
+            return
+        if trio.current_time() - trouble.last_at < self.check_interval:
+            return  # batches are still being refused: they say more than a probe
+        with trio.CancelScope(shield=True):
+            written, free = await trio.to_thread.run_sync(self.batches.probe, self.path)
+        if takes_writes_again(trouble.code, written, free):
+            self.audit.storage_recovered(trio.current_time())
+
+    def reopen(self) -> tuple[sqlite3.Connection, int]:
+        """In a worker thread: open the db again at its path, with this run's row."""
+        path = self.path
+        try:
+            self.batches.conn.close()
+        except sqlite3.Error:
+            pass
+        # The lost file's -wal and -shm may still lie at the path (deleted alone, or renamed
+        # away): a new db must not read them as its own, so they go if they are the ones this
+        # writer had (the same device and inode).
+        for suffix, known in self.sidecars.items():
+            if known is not None and file_identity(path + suffix) == known:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path + suffix)
+        new = open_database(path)
+        try:
+            new_id = self.run_row.insert_again(new, self.batches.run_id)
+        except BaseException:
+            new.close()
+            raise
+        self.sidecars = _sidecar_identities(path)
+        return new, new_id
+
+    async def check_file(self) -> None:
+        """Notice a db file deleted or replaced under the writer, and open it again."""
+        path, audit, batches = self.path, self.audit, self.batches
+        found = await trio.to_thread.run_sync(file_identity, path)
+        if found == self.identity:
+            return
+        problem = (
+            f"the audit db {path!r} was deleted under the running proxy"
+            if found is None
+            else f"the audit db {path!r} was replaced by another file under the running proxy"
+        )
+        audit.db_problem = problem
+        audit.db_problem_at = trio.current_time()
+        try:
+            with trio.CancelScope(shield=True):
+                conn, new_id = await trio.to_thread.run_sync(self.reopen)
+        except (AuditError, sqlite3.Error) as exc:
+            log.error(
+                "%s; opening it again failed (%s); trying again in %.0f s; rows written "
+                "meanwhile are lost with the old file",
+                problem,
+                exc,
+                self.check_interval,
+            )
+            return
+        batches.conn = conn
+        self.identity = file_identity(path)
+        audit.db_recreated += 1
+        audit.generation += 1
+        if new_id != batches.run_id:
+            log.error("audit: run id %d is taken in the new file; this run goes on as %d",
+                      batches.run_id, new_id)  # fmt: skip
+        batches.run_id = audit.run_id = new_id
+        log.error(
+            "%s; rows written since the last check (%.0f s ago at most) are lost with it. "
+            "Created it again with the migrations and this run's row (run %d); /health says "
+            "degraded for %.0f s. Move or back up the db with the proxy stopped.",
+            problem,
+            self.check_interval,
+            new_id,
+            DB_LOST_DEGRADED_S,
+        )
+
+    async def write_loop(self, *, task_status: trio.TaskStatus[None]) -> None:
+        """Batches from the channel until it is closed; every ``check_interval`` the db file
+        and its storage checked. The supervised component ``audit_writer``."""
+        task_status.started()
+        pending, receive = self.pending, self.receive
+        next_check = trio.current_time() + self.check_interval
+        while True:
+            with trio.move_on_at(next_check):
+                try:
+                    if not pending:
+                        pending.append(await receive.receive())
+                    with trio.move_on_after(MAX_LINGER_S):
+                        while len(pending) < MAX_BATCH:
+                            pending.append(await receive.receive())
+                except trio.EndOfChannel:
+                    return
+            await self.flush()
+            if pending:
+                return  # closing while the lock is held: the stop's flush takes over
+            if trio.current_time() >= next_check:
+                if self.identity is not None:
+                    await self.check_file()
+                await self.probe_storage()
+                next_check = trio.current_time() + self.check_interval
+
+    async def stop(self) -> None:
+        """Write every record accepted (within ``FLUSH_GRACE_S``; what a held lock keeps out
+        is counted as dropped), then this run's stop time, and close the db."""
+        pending = self.pending
+        with trio.move_on_after(FLUSH_GRACE_S) as scope:
+            scope.shield = True
+            while True:
+                try:
+                    pending.append(self.receive.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+            self.receive.close()
+            await self.flush(stopping=True)
+        if pending:
+            for _ in pending:
+                self.audit.count_dropped(BUSY_AT_STOP)
+            pending.clear()
+        stopped_at = self.clock.unix(trio.current_time())
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self.finish_run, stopped_at)
+
+    def finish_run(self, stopped_at: float) -> None:
+        """In a worker thread: this run's stop time into its row, and the db closed."""
+        conn = self.batches.conn
+        try:
+            with conn:
+                conn.execute(
+                    "UPDATE runs SET stopped_at = ? WHERE id = ?",
+                    (stopped_at, self.batches.run_id),
+                )
+        except sqlite3.Error as exc:
+            log.error("audit: could not record this run's stop time (%s)", exc)
+        finally:
+            conn.close()
+
+
 async def serve_audit_writer(
     path: str,
     *,
@@ -550,186 +801,11 @@ async def serve_audit_writer(
     supervised component ``audit_writer`` of ``components`` (a registry of its own if None);
     it checks the db file every ``check_interval`` seconds (``DB_CHECK_INTERVAL_S`` if None).
     """
-    if check_interval is None:
-        check_interval = DB_CHECK_INTERVAL_S
-    clock = WallClock()
-    conn = await trio.to_thread.run_sync(open_database, path)
-    identity = file_identity(path) if path != ":memory:" else None
-    sidecars = await trio.to_thread.run_sync(_sidecar_identities, path)
-    run_row = _RunRow(run_info, clock.unix(trio.current_time()))
-    run_id = await trio.to_thread.run_sync(run_row.insert, conn)
-    send, receive = trio.open_memory_channel[AuditRecord](queue_size)
-    audit = AuditLog(send, run_id, path=path)
-    writer = _BatchWriter(conn, run_id, clock.unix)
-    pending: list[AuditRecord] = []
-    busy_pause = BUSY_PAUSE_S
-
-    async def flush(*, stopping: bool = False) -> None:
-        """Write ``pending``; a batch refused for the write lock stays pending and is tried
-        again after a pause (the pause is where a stop may cancel the wait). Once the log is
-        closing, only the stop's flush (``stopping``, bounded by its grace) keeps trying."""
-        nonlocal busy_pause
-        while pending:
-            batch = pending[:]
-            # An accepted batch is written even if the run is being cancelled meanwhile.
-            with trio.CancelScope(shield=True):
-                outcome = await trio.to_thread.run_sync(writer.write, batch)
-            if outcome.busy:
-                if audit.busy_retries == 0:
-                    log.warning(
-                        "audit: the db %r is locked by another connection (a backup or "
-                        "VACUUM?); batches wait and are tried again, counted under "
-                        "audit.busy_retries",
-                        path,
-                    )
-                audit.busy_retries += 1
-                if audit.closing and not stopping:
-                    return
-                await trio.sleep(busy_pause)
-                busy_pause = min(BUSY_MAX_PAUSE_S, busy_pause * 2)
-                continue
-            busy_pause = BUSY_PAUSE_S
-            del pending[: len(batch)]
-            audit.written += outcome.written
-            audit.invalid += outcome.invalid
-            audit.batches += 1
-            for cause in outcome.refused:
-                audit.count_dropped(cause)
-            now = trio.current_time()
-            if outcome.storage is not None:
-                audit.storage_refused(*outcome.storage, outcome.storage_lost, now)
-            elif outcome.written:
-                audit.storage_recovered(now)
-
-    async def probe_storage() -> None:
-        """With no rows coming, ask the db whether it takes writes again."""
-        trouble = audit.storage
-        if trouble is None or path == ":memory:":
-            return
-        if trio.current_time() - trouble.last_at < check_interval:
-            return  # batches are still being refused: they say more than a probe
-        with trio.CancelScope(shield=True):
-            written, free = await trio.to_thread.run_sync(writer.probe, path)
-        if takes_writes_again(trouble.code, written, free):
-            audit.storage_recovered(trio.current_time())
-
-    def reopen() -> tuple[sqlite3.Connection, int]:
-        """In a worker thread: open the db again at its path, with this run's row."""
-        nonlocal sidecars
-        try:
-            writer.conn.close()
-        except sqlite3.Error:
-            pass
-        # The lost file's -wal and -shm may still lie at the path (deleted alone, or renamed
-        # away): a new db must not read them as its own, so they go if they are the ones this
-        # writer had (the same device and inode).
-        for suffix, known in sidecars.items():
-            if known is not None and file_identity(path + suffix) == known:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path + suffix)
-        new = open_database(path)
-        try:
-            new_id = run_row.insert_again(new, writer.run_id)
-        except BaseException:
-            new.close()
-            raise
-        sidecars = _sidecar_identities(path)
-        return new, new_id
-
-    async def check_file() -> None:
-        """Notice a db file deleted or replaced under the writer, and open it again."""
-        nonlocal identity
-        found = await trio.to_thread.run_sync(file_identity, path)
-        if found == identity:
-            return
-        problem = (
-            f"the audit db {path!r} was deleted under the running proxy"
-            if found is None
-            else f"the audit db {path!r} was replaced by another file under the running proxy"
-        )
-        audit.db_problem = problem
-        audit.db_problem_at = trio.current_time()
-        try:
-            with trio.CancelScope(shield=True):
-                conn, new_id = await trio.to_thread.run_sync(reopen)
-        except (AuditError, sqlite3.Error) as exc:
-            log.error(
-                "%s; opening it again failed (%s); trying again in %.0f s; rows written "
-                "meanwhile are lost with the old file",
-                problem,
-                exc,
-                check_interval,
-            )
-            return
-        writer.conn = conn
-        identity = file_identity(path)
-        audit.db_recreated += 1
-        audit.generation += 1
-        if new_id != writer.run_id:
-            log.error("audit: run id %d is taken in the new file; this run goes on as %d",
-                      writer.run_id, new_id)  # fmt: skip
-        writer.run_id = audit.run_id = new_id
-        log.error(
-            "%s; rows written since the last check (%.0f s ago at most) are lost with it. "
-            "Created it again with the migrations and this run's row (run %d); /health says "
-            "degraded for %.0f s. Move or back up the db with the proxy stopped.",
-            problem,
-            check_interval,
-            new_id,
-            DB_LOST_DEGRADED_S,
-        )
-
-    async def write_loop(*, task_status: trio.TaskStatus[None]) -> None:
-        task_status.started()
-        next_check = trio.current_time() + check_interval
-        while True:
-            with trio.move_on_at(next_check):
-                try:
-                    if not pending:
-                        pending.append(await receive.receive())
-                    with trio.move_on_after(MAX_LINGER_S):
-                        while len(pending) < MAX_BATCH:
-                            pending.append(await receive.receive())
-                except trio.EndOfChannel:
-                    return
-            await flush()
-            if pending:
-                return  # closing while the lock is held: the stop's flush takes over
-            if trio.current_time() >= next_check:
-                if identity is not None:
-                    await check_file()
-                await probe_storage()
-                next_check = trio.current_time() + check_interval
-
+    writer = await AuditWriter.open(
+        path, run_info=run_info, queue_size=queue_size, check_interval=check_interval
+    )
     try:
-        task_status.started(audit)
-        await supervise(components or Components(), "audit_writer", write_loop)
+        task_status.started(writer.audit)
+        await supervise(components or Components(), "audit_writer", writer.write_loop)
     finally:
-        with trio.move_on_after(FLUSH_GRACE_S) as scope:
-            scope.shield = True
-            while True:
-                try:
-                    pending.append(receive.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                    break
-            receive.close()
-            await flush(stopping=True)
-        if pending:
-            for _ in pending:
-                audit.count_dropped(BUSY_AT_STOP)
-            pending.clear()
-        stopped_at = clock.unix(trio.current_time())
-
-        def finish_run() -> None:
-            try:
-                with writer.conn:
-                    writer.conn.execute(
-                        "UPDATE runs SET stopped_at = ? WHERE id = ?", (stopped_at, writer.run_id)
-                    )
-            except sqlite3.Error as exc:
-                log.error("audit: could not record this run's stop time (%s)", exc)
-            finally:
-                writer.conn.close()
-
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(finish_run)
+        await writer.stop()

@@ -311,10 +311,6 @@ def bench_command(
                 targets, sweep, overhead_seconds, json_path, overhead_profile, overhead_rounds
             )
             return
-        if profile is None:
-            # The engine's fitted profile once --calibrate has written one.
-            fitted = ENGINES.get(engine or "")
-            profile = fitted if fitted in PROFILES else DEFAULT_PROFILE
         config = BenchConfig(
             trace=trace,
             targets=parse_targets(targets),
@@ -328,7 +324,7 @@ def bench_command(
             offload_tokens=offload_tokens,
             backends=n_backends,
             backend_ports=parse_int_list(backend_ports, flag="--backend-ports"),
-            profile=profile,
+            profile=_profile(profile, engine),
             seed=seed,
             arrivals=arrivals,
             rate=rate,
@@ -347,11 +343,38 @@ def bench_command(
         if calibrate_path:
             _calibrate(config, calibrate_path)
             return
+    except ThunderproxyError as exc:
+        raise click.ClickException(exc.message) from None
+    plot = None if no_plot else plot_path
+    _replay(config, sweep=sweep, plot_path=plot, db=db, progress=progress, json_path=json_path)
+
+
+def _profile(profile: str | None, engine: str | None) -> str:
+    """The simulator's timing profile: the one named, else the engine's fitted profile once
+    --calibrate has written one, else the default."""
+    if profile is not None:
+        return profile
+    fitted = ENGINES.get(engine or "")
+    return fitted if fitted in PROFILES else DEFAULT_PROFILE
+
+
+def _replay(
+    config: BenchConfig,
+    *,
+    sweep: str,
+    plot_path: str | None,
+    db: str,
+    progress: bool | None,
+    json_path: str | None,
+) -> None:
+    """The replay itself, at each concurrency of ``sweep``: its figures printed, and written
+    as JSON to ``json_path`` and, with a sweep, plotted to ``plot_path`` (None: not)."""
+    try:
         concurrencies = parse_int_list(sweep, flag="--sweep")
         # Imported here so that `thunderproxy serve` does not load the bench.
         from .runs.harness import run_bench, write_json
 
-        if concurrencies and not no_plot:
+        if concurrencies and plot_path is not None:
             from .report.plot import require_matplotlib
 
             require_matplotlib()  # fail before an hour of benchmark, not after
@@ -373,7 +396,7 @@ def bench_command(
     if json_path:
         write_json(report, json_path)
         click.echo(f"figures written to {json_path}", err=True)
-    if concurrencies and not no_plot:
+    if concurrencies and plot_path is not None:
         from .report.plot import sweep_plot
 
         sweep_plot(report.summaries(), plot_path, title=_title(report))

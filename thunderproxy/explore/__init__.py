@@ -19,7 +19,7 @@ from .names import DATABASE_NAME, MOUNT_PATH, READ_METHODS, ASGIApp
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..http.app import Services
+    from ..http.services import Services
 
 __all__ = ["DATABASE_NAME", "MOUNT_PATH", "READ_METHODS", "ASGIApp", "mount_datasette"]
 

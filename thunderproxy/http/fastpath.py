@@ -14,12 +14,14 @@ What the Quart route did around the edge is done here too, in the same order, so
 answer alike (tests/http/test_relay_fastpath.py checks that these paths take this one):
 
 - the drain's count of exchanges, and the exchange's cleanups run however it ends;
-- 503 while draining (``ShuttingDown``), 431 past ``--max-header-bytes``, 413 past
-  ``--max-body-bytes``, 408 when the body is slower than ``--client-timeout``, 401 without a
-  configured client's key (``ClientUnauthorized``, http/clients.py), 503 until the backends
-  are ready (``NotReady``); both after the body is read so the connection stays usable;
+- the request checks both paths ask (http/checks.py): 503 while draining (``ShuttingDown``),
+  431 past ``--max-header-bytes``, 413 past ``--max-body-bytes``, 408 when the body is slower
+  than ``--client-timeout``, 401 without a configured client's key (``ClientUnauthorized``,
+  http/clients.py), 503 until the backends are ready (``NotReady``); both after the body is
+  read so the connection stays usable;
 - errors through the one table (errors.py) in the route's protocol shape, recorded as a
-  rejection unless the gateway already recorded the call; any other exception a 500;
+  rejection (``RejectionRecord.refused``) unless the gateway already recorded the call; any
+  other exception a 500;
 - ``Connection: close`` on answers given while draining;
 - a client that leaves cancels the exchange (the gateway records 499 and closes the lease).
 """
@@ -27,7 +29,7 @@ answer alike (tests/http/test_relay_fastpath.py checks that these paths take thi
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -35,17 +37,19 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 from werkzeug.exceptions import InternalServerError
 
-from ..errors import (
-    BodyIncomplete,
-    HeadersTooLarge,
-    PayloadTooLarge,
-    RequestTimeout,
-    ShuttingDown,
-    ThunderproxyError,
-    describe,
-    reason,
-)
+from ..audit.records import RejectionRecord
+from ..errors import BodyIncomplete, ThunderproxyError
 from ..protocols import Protocol
+from .checks import (
+    Bounds,
+    body_incomplete,
+    body_too_large,
+    body_too_slow,
+    declared_length,
+    declared_too_large,
+    header_items,
+    refuse_head,
+)
 from .clients import CLIENT_KEY, Clients, client_of
 from .drain import Drain
 from .edges import Edges, Reply
@@ -69,58 +73,8 @@ FAST_ROUTES: dict[str, Protocol] = {
 #: costs no message to build and take apart; a server without it (Hypercorn) gets the messages.
 BODY_WRITER = "thunderproxy.body_writer"
 
-#: Reports a refusal that the gateway did not record: status, OpenAI type, message, program id,
-#: method, path, reason (``errors.reason``), the client (``[clients]``; None: not identified).
-Reject = Callable[[int, str, str, "str | None", str, str, str, "str | None"], None]
-
-
-def payload_too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"Request body is larger than {limit} bytes (see --max-body-bytes).")
-
-
-def body_incomplete(received: int, declared: str | None) -> BodyIncomplete:
-    of = f" of the {declared} its Content-Length declared" if declared is not None else ""
-    return BodyIncomplete(
-        f"The client closed the connection after sending {received} body bytes{of}, before "
-        "its body was whole; nothing was sent to a backend."
-    )
-
-
-def body_too_slow(timeout: float) -> RequestTimeout:
-    return RequestTimeout(f"Request body not received within {timeout} s (see --client-timeout).")
-
-
-def headers_too_large(size: int, limit: int) -> HeadersTooLarge:
-    return HeadersTooLarge(
-        f"Request headers are {size} bytes, more than {limit} (see --max-header-bytes)."
-    )
-
-
-def shutting_down() -> ShuttingDown:
-    return ShuttingDown(
-        "thunderproxy is shutting down (SIGTERM/SIGINT) and did not start this request; "
-        "retry it after Retry-After, on another instance or once this one is back."
-    )
-
-
-def request_line_size(scope: Mapping[str, Any]) -> int:
-    """The request line's bytes (``POST /path?query HTTP/1.1``, CRLF): part of the head the
-    limit bounds. Left out, a 60 KB URL passed a limit of 8 KB."""
-    target = len(scope.get("raw_path") or scope["path"].encode())
-    query = scope.get("query_string") or b""
-    if query:
-        target += 1 + len(query)
-    return len(scope["method"]) + 1 + target + len(" HTTP/1.1\r\n")
-
-
-def header_size(items: list[tuple[str, str]], scope: dict[str, Any]) -> int:
-    """The request head's size as ``--max-header-bytes`` counts it: the request line and the
-    headers. Quart's request adds a ``Remote-Addr`` header of its own, which the limit has
-    always counted: counted here too, so that a head is refused on one path exactly when it is
-    on the other."""
-    size = sum(len(name) + len(value) + 4 for name, value in items)
-    remote = (scope.get("client") or ["<local>"])[0]
-    return request_line_size(scope) + size + len("Remote-Addr") + len(remote) + 4
+#: Records a refusal that the gateway did not record (``AuditLog.record``).
+Reject = Callable[[RejectionRecord], None]
 
 
 class FastRoutes:
@@ -133,9 +87,7 @@ class FastRoutes:
         drain: Drain,
         readiness: Readiness,
         reject: Reject,
-        max_body_bytes: int,
-        max_header_bytes: int,
-        client_timeout: float,
+        bounds: Bounds,
         clients: Clients | None = None,
     ) -> None:
         self.edges = edges
@@ -143,9 +95,7 @@ class FastRoutes:
         self.drain = drain
         self.readiness = readiness
         self.reject = reject
-        self.max_body_bytes = max_body_bytes
-        self.max_header_bytes = max_header_bytes
-        self.client_timeout = client_timeout
+        self.bounds = bounds
 
     @staticmethod
     def route(scope: Any) -> Protocol | None:
@@ -176,13 +126,11 @@ class FastRoutes:
     ) -> None:
         arrived_at = trio.current_time()
         path: str = scope["path"]
-        items = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in scope["headers"]]
+        items = header_items(scope)
         try:
-            if self.drain.draining:
-                raise shutting_down()
-            size = header_size(items, scope)
-            if size > self.max_header_bytes:
-                raise headers_too_large(size, self.max_header_bytes)
+            refusal = refuse_head(scope, items, draining=self.drain.draining, bounds=self.bounds)
+            if refusal is not None:
+                raise refusal
             raw = await self._read_body(receive, items)
             if self.clients.enabled:
                 scope[CLIENT_KEY] = self.clients.identify(items)
@@ -215,51 +163,41 @@ class FastRoutes:
 
     async def _read_body(self, receive: ASGIReceiveCallable, items: list[tuple[str, str]]) -> bytes:
         """The whole body, bounded like Quart's; BodyIncomplete if the client left first."""
-        limit = self.max_body_bytes
-        declared: str | None = None
-        for name, value in items:
-            if name.lower() == "content-length":
-                declared = value
-            # ASCII digits only (``"²".isdigit()`` holds, and ``int("²")`` raises), compared by
-            # length first (``int`` refuses more than 4,300 digits).
-            if (
-                name.lower() == "content-length"
-                and value.isascii()
-                and value.isdigit()
-                and (len(value) > len(str(limit)) or int(value) > limit)
-            ):
-                raise payload_too_large(limit)
+        bounds = self.bounds
+        refusal = declared_too_large(items, bounds)
+        if refusal is not None:
+            raise refusal
         parts: list[bytes] = []
         size = 0
-        with trio.move_on_after(self.client_timeout) as scope:
+        with trio.move_on_after(bounds.client_timeout) as scope:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    raise body_incomplete(size, declared)
+                    raise body_incomplete(size, declared_length(items))
                 part: bytes = message.get("body", b"")  # type: ignore[assignment]
                 size += len(part)
-                if size > limit:
-                    raise payload_too_large(limit)
+                refusal = body_too_large(size, bounds)
+                if refusal is not None:
+                    raise refusal
                 parts.append(part)
                 if not message.get("more_body", False):
                     break
         if scope.cancelled_caught:
-            raise body_too_slow(self.client_timeout)
+            raise body_too_slow(bounds.client_timeout)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _record(self, scope: dict[str, Any], error: ThunderproxyError) -> None:
         """A ``rejections`` row for a request refused before the gateway had it."""
         if not scope.get(RECORDED_KEY):  # the gateway recorded the calls it was given
-            status, error_type = describe(error)
             self.reject(
-                status,
-                error_type,
-                error.message,
-                error.program_id,
-                "POST",
-                scope["path"],
-                reason(error),
-                client_of(scope),
+                RejectionRecord.refused(
+                    error,
+                    at=trio.current_time(),
+                    method="POST",
+                    path=scope["path"],
+                    program_id=error.program_id,
+                    client=client_of(scope),
+                )
             )
 
     async def _refuse(

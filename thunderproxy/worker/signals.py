@@ -70,7 +70,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def signals_from_services(services: Services) -> SignalsProvider:
-    """The default provider: counts and capacities from ``services.statistics()``, the one
+    """The default provider: counts and capacities from ``services.snapshot()``, the one
     snapshot /health and /metrics read; KV demand and waits from the scheduler's registry,
     which that snapshot does not carry per program."""
     from ..programs import ProgramStatus
@@ -79,7 +79,7 @@ def signals_from_services(services: Services) -> SignalsProvider:
 
     def read() -> ProgramSignals:
         now = trio.current_time()
-        stats = services.statistics()
+        stats = services.snapshot()
         demand = 0
         waits = []
         for program in registry:

@@ -35,18 +35,15 @@ from typing import Any
 import trio
 
 from ...audit import AuditLog
-from ...audit.records import AuditRecord, TransitionRecord
+from ...audit.records import AuditRecord
 from ...backends import EngineSnapshot, UpstreamRequest, open_backend_pool
 from ...backends.h1 import H1Pool, H1Response
-from ...gateway import Gateway
+from ...config import Settings
+from ...core import build_core
 from ...http.edges import Edges
 from ...http.proxy import run_cleanups
-from ...programs import ProgramRegistry
-from ...programs.profile import Profiles
 from ...protocols import Protocol
 from ...protocols.recognition import ProgramRecognizer
-from ...scheduling import Scheduler, policy_named
-from ...scheduling.policy import PolicyConfig
 from ...statistics import Counters
 from .fastbackend import chunk_payloads
 
@@ -168,13 +165,7 @@ async def in_process_edges(router: str, backend: Any, audit: AuditLog) -> AsyncI
     async with open_backend_pool() as pool:
         node = pool.attach("http://in-process", backend, models=["fast"])
         node.snapshot = _snapshot()
-        scheduler = Scheduler(
-            policy=policy_named(router, PolicyConfig()),
-            registry=ProgramRegistry(lambda t: audit.record(TransitionRecord(t))),
-            pool=pool,
-            audit=audit,
-        )
-        gateway = Gateway(pool=pool, scheduler=scheduler, audit=audit, profiles=Profiles())
+        gateway = build_core(Settings(router=router), pool, audit).gateway
         yield Edges(gateway=gateway, recognizer=ProgramRecognizer())
 
 

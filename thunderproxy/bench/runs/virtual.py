@@ -8,8 +8,9 @@ the production ones, only wired without sockets:
 - a ``BackendPool`` of ``EngineBackend``s: each simulator engine behind its own HTTP face,
   called in-process, so the same requests, answers and /metrics text flow as over HTTP;
 - the real metrics poller, ``ProgramRegistry``, ``Scheduler`` (policy ``default`` or ``tr``),
-  resume monitor and call gateway, and an ``AuditLog`` whose channel nobody writes to SQLite
-  during the run (its records are kept and stored afterwards).
+  resume monitor and call gateway, assembled as the proxy assembles them (``core.build_core``),
+  and an ``AuditLog`` whose channel nobody writes to SQLite during the run (its records are
+  kept and stored afterwards).
 """
 
 from __future__ import annotations
@@ -32,11 +33,9 @@ from ...audit import AuditLog
 from ...audit.records import AuditRecord, StepRecord, TransitionRecord
 from ...backends import BackendPool
 from ...backends.asgi import EngineBackend
-from ...backends.poller import serve_metrics_poller
+from ...core import build_core
 from ...gateway import Gateway
-from ...programs import ProgramRegistry, ProgramStatus
-from ...programs.profile import Profiles
-from ...scheduling import Scheduler, policy_named, serve_resume_monitor
+from ...programs import ProgramStatus
 from ...sim import Engine, truth
 from ..agents.agent import Agents, Progress, RunLog, sticky_round_robin, ungrouped_errors
 from ..agents.transport import InProcessTransport
@@ -122,33 +121,11 @@ async def run_target(
             pool.attach(url, EngineBackend(engine, nursery, name=url))
         gateway: Gateway | None = None
         if settings is not None:
-            registry = ProgramRegistry(lambda t: audit.record(TransitionRecord(t)))
-            scheduler = Scheduler(
-                policy=policy_named(settings.router, settings.policy),
-                registry=registry,
-                pool=pool,
-                audit=audit,
-            )
-            gateway = Gateway(
-                pool=pool,
-                scheduler=scheduler,
-                audit=audit,
-                profiles=Profiles(),
-                first_byte_timeout=settings.first_byte_timeout,
-                read_timeout=settings.read_timeout,
-            )
-            await nursery.start(
-                partial(
-                    serve_metrics_poller,
-                    pool,
-                    audit,
-                    interval=settings.metrics_interval,
-                    loads=registry.sample_loads,
-                )
-            )
-            await nursery.start(
-                partial(serve_resume_monitor, scheduler, interval=settings.monitor_interval)
-            )
+            # This instance alone: virtual time has no Redis to share through.
+            core = build_core(settings, pool, audit, redis=False)
+            gateway = core.gateway
+            await nursery.start(core.metrics_poller())
+            await nursery.start(core.resume_monitor())
         transport = InProcessTransport(
             {node.url: node.backend for node in pool},
             gateway=gateway,

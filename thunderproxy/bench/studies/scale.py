@@ -33,12 +33,12 @@ import httpx
 import trio
 
 from ...audit import AuditLog
-from ...audit.records import AuditRecord, TransitionRecord
+from ...audit.records import AuditRecord
 from ...backends import BackendPool, EngineSnapshot, UpstreamRequest, UpstreamResponse
-from ...config import PolicyConfig, load_settings
+from ...config import Settings, load_settings
+from ...core import build_core
 from ...programs import ProgramRegistry, StepUsage
 from ...runtime import RunningProxy, run
-from ...scheduling import Scheduler, policy_named
 from ...sim import SimConfig, serve_simulator
 from ..relay.callcost import drain
 from ..report import figures
@@ -167,10 +167,8 @@ async def scheduler_cost(n: int, calls: int, router: str) -> float:
     pool = BackendPool()
     node = pool.attach("http://capacity.invalid", _NeverSent())
     node.snapshot = EngineSnapshot("vllm", 1, 432_000, 16, 27_000, 0.0, 0, 0, 0, 0, 0)
-    registry = ProgramRegistry(lambda t: audit.record(TransitionRecord(t)))
-    scheduler = Scheduler(
-        policy=policy_named(router, PolicyConfig()), registry=registry, pool=pool, audit=audit
-    )
+    core = build_core(Settings(router=router), pool, audit)
+    registry, scheduler = core.registry, core.scheduler
     populate_registry(registry, node.url, n, trio.current_time())
     drain(receive)
     gc.collect()

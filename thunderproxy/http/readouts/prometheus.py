@@ -45,135 +45,12 @@ class _SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot
-        programs = GaugeMetricFamily(
-            f"{PREFIX}_programs", "Tracked programs, by state.", labels=["state"]
-        )
-        for state, n in sorted(s.programs_by_state.items()):
-            programs.add_metric([state], n)
-        yield programs
-
-        healthy = GaugeMetricFamily(
-            f"{PREFIX}_backend_healthy", "1 if the backend is healthy.", labels=["backend"]
-        )
-        capacity = GaugeMetricFamily(
-            f"{PREFIX}_backend_kv_capacity_tokens",
-            "KV cache capacity of the backend, in tokens.",
-            labels=["backend"],
-        )
-        used = GaugeMetricFamily(
-            f"{PREFIX}_backend_kv_used_tokens",
-            "KV cache tokens in use on the backend.",
-            labels=["backend"],
-        )
-        in_flight = GaugeMetricFamily(
-            f"{PREFIX}_backend_in_flight",
-            "Calls sent to the backend and not yet finished.",
-            labels=["backend"],
-        )
-        for backend in s.backends:
-            healthy.add_metric([backend.url], 1.0 if backend.healthy else 0.0)
-            in_flight.add_metric([backend.url], backend.in_flight)
-            # Unknown is left out rather than shown as 0, which would read as "empty".
-            if backend.kv_capacity_tokens is not None:
-                capacity.add_metric([backend.url], backend.kv_capacity_tokens)
-            if backend.kv_used_tokens is not None:
-                used.add_metric([backend.url], backend.kv_used_tokens)
-        yield from (healthy, capacity, used, in_flight)
-
-        steps = CounterMetricFamily(
-            f"{PREFIX}_steps", "Finished LLM calls, by HTTP status.", labels=["status"]
-        )
-        for status, n in sorted(s.steps_by_status.items()):
-            steps.add_metric([status], n)
-        yield steps
-        yield CounterMetricFamily(f"{PREFIX}_pauses", "Programs paused.", value=s.pauses)
-        yield CounterMetricFamily(f"{PREFIX}_resumes", "Programs resumed.", value=s.resumes)
-        yield CounterMetricFamily(
-            f"{PREFIX}_audit_rows_written",
-            "Rows written to the audit db.",
-            value=s.audit_rows_written,
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_audit_rows_dropped",
-            "Audit rows lost: refused by a full queue or by SQLite (audit.dropped_by_cause).",
-            value=s.audit_rows_dropped,
-        )
-
-        yield CounterMetricFamily(
-            f"{PREFIX}_audit_busy_retries",
-            "Audit batches tried again because another connection held the db's write lock.",
-            value=s.audit_busy_retries,
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_audit_db_recreated",
-            "Times the audit db file was found deleted or replaced and created again.",
-            value=s.audit_db_recreated,
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_audit_degraded",
-            "1 while a lost audit db file keeps the proxy degraded.",
-            value=1.0 if s.audit_degraded else 0.0,
-        )
-        up = GaugeMetricFamily(
-            f"{PREFIX}_component_up",
-            "1 if the long-lived component is starting or running, 0 if it failed or waits "
-            "to restart.",
-            labels=["component"],
-        )
-        restarts = CounterMetricFamily(
-            f"{PREFIX}_component_restarts",
-            "Restarts of the long-lived component after a failure.",
-            labels=["component"],
-        )
-        for name, n in sorted(s.components_up.items()):
-            up.add_metric([name], n)
-            restarts.add_metric([name], s.component_restarts.get(name, 0))
-        yield up
-        yield restarts
-
-        for name, histogram in sorted(s.histograms.items()):
-            help_text = _HISTOGRAM_HELP.get(name, f"Seconds of {name}.")
-            yield HistogramMetricFamily(
-                f"{PREFIX}_{name}_seconds",
-                help_text,
-                buckets=_buckets(histogram),
-                sum_value=histogram.sum,
-            )
-
-        yield _counters(
-            "refusals",
-            "Calls the proxy refused before any backend saw them (unknown model, admission "
-            "limits, not ready, no healthy backend, bad request), by reason and HTTP status.",
-            ["reason", "status"],
-            s.refusals.items(),
-        )
-
-        yield _counters(
-            "calls",
-            "Finished LLM calls, by model (as the client named it), backend and HTTP status; "
-            "backend 'none': the client left while the call waited.",
-            ["model", "backend", "status"],
-            s.calls.items(),
-        )
-
-        yield _counters(
-            "tokens",
-            "Tokens the backends reported, by model, backend and kind (prompt, completion; "
-            "cached: the part of the prompt served from the prefix cache).",
-            ["model", "backend", "kind"],
-            s.tokens.items(),
-        )
-
-        call_seconds = HistogramMetricFamily(
-            f"{PREFIX}_call_seconds",
-            "Seconds from a call's arrival to its end, every call that reached a backend "
-            "(streamed or not, whatever its status), by model and backend.",
-            labels=["model", "backend"],
-        )
-        for (model, url), histogram in sorted(s.call_seconds.items()):
-            call_seconds.add_metric([model, url], _buckets(histogram), histogram.sum)
-        yield call_seconds
-
+        yield from _programs(s)
+        yield from _backends(s)
+        yield from _steps_and_audit(s)
+        yield from _components(s)
+        yield from _latencies(s)
+        yield from _by_label(s)
         build = GaugeMetricFamily(
             f"{PREFIX}_build_info",
             "Always 1; the labels name the running version.",
@@ -181,6 +58,148 @@ class _SnapshotCollector(Collector):
         )
         build.add_metric([__version__, platform.python_version()], 1.0)
         yield build
+
+
+def _programs(s: ProxyStatistics) -> Iterator[Metric]:
+    programs = GaugeMetricFamily(
+        f"{PREFIX}_programs", "Tracked programs, by state.", labels=["state"]
+    )
+    for state, n in sorted(s.programs_by_state.items()):
+        programs.add_metric([state], n)
+    yield programs
+
+
+def _backends(s: ProxyStatistics) -> Iterator[Metric]:
+    healthy = GaugeMetricFamily(
+        f"{PREFIX}_backend_healthy", "1 if the backend is healthy.", labels=["backend"]
+    )
+    capacity = GaugeMetricFamily(
+        f"{PREFIX}_backend_kv_capacity_tokens",
+        "KV cache capacity of the backend, in tokens.",
+        labels=["backend"],
+    )
+    used = GaugeMetricFamily(
+        f"{PREFIX}_backend_kv_used_tokens",
+        "KV cache tokens in use on the backend.",
+        labels=["backend"],
+    )
+    in_flight = GaugeMetricFamily(
+        f"{PREFIX}_backend_in_flight",
+        "Calls sent to the backend and not yet finished.",
+        labels=["backend"],
+    )
+    for backend in s.backends:
+        healthy.add_metric([backend.url], 1.0 if backend.healthy else 0.0)
+        in_flight.add_metric([backend.url], backend.in_flight)
+        # Unknown is left out rather than shown as 0, which would read as "empty".
+        if backend.kv_capacity_tokens is not None:
+            capacity.add_metric([backend.url], backend.kv_capacity_tokens)
+        if backend.kv_used_tokens is not None:
+            used.add_metric([backend.url], backend.kv_used_tokens)
+    yield from (healthy, capacity, used, in_flight)
+
+
+def _steps_and_audit(s: ProxyStatistics) -> Iterator[Metric]:
+    steps = CounterMetricFamily(
+        f"{PREFIX}_steps", "Finished LLM calls, by HTTP status.", labels=["status"]
+    )
+    for status, n in sorted(s.steps_by_status.items()):
+        steps.add_metric([status], n)
+    yield steps
+    yield CounterMetricFamily(f"{PREFIX}_pauses", "Programs paused.", value=s.pauses)
+    yield CounterMetricFamily(f"{PREFIX}_resumes", "Programs resumed.", value=s.resumes)
+    yield CounterMetricFamily(
+        f"{PREFIX}_audit_rows_written",
+        "Rows written to the audit db.",
+        value=s.audit_rows_written,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_audit_rows_dropped",
+        "Audit rows lost: refused by a full queue or by SQLite (audit.dropped_by_cause).",
+        value=s.audit_rows_dropped,
+    )
+
+    yield CounterMetricFamily(
+        f"{PREFIX}_audit_busy_retries",
+        "Audit batches tried again because another connection held the db's write lock.",
+        value=s.audit_busy_retries,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_audit_db_recreated",
+        "Times the audit db file was found deleted or replaced and created again.",
+        value=s.audit_db_recreated,
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_audit_degraded",
+        "1 while a lost audit db file keeps the proxy degraded.",
+        value=1.0 if s.audit_degraded else 0.0,
+    )
+
+
+def _components(s: ProxyStatistics) -> Iterator[Metric]:
+    up = GaugeMetricFamily(
+        f"{PREFIX}_component_up",
+        "1 if the long-lived component is starting or running, 0 if it failed or waits to restart.",
+        labels=["component"],
+    )
+    restarts = CounterMetricFamily(
+        f"{PREFIX}_component_restarts",
+        "Restarts of the long-lived component after a failure.",
+        labels=["component"],
+    )
+    for name, n in sorted(s.components_up.items()):
+        up.add_metric([name], n)
+        restarts.add_metric([name], s.component_restarts.get(name, 0))
+    yield up
+    yield restarts
+
+
+def _latencies(s: ProxyStatistics) -> Iterator[Metric]:
+    for name, histogram in sorted(s.histograms.items()):
+        help_text = _HISTOGRAM_HELP.get(name, f"Seconds of {name}.")
+        yield HistogramMetricFamily(
+            f"{PREFIX}_{name}_seconds",
+            help_text,
+            buckets=_buckets(histogram),
+            sum_value=histogram.sum,
+        )
+
+
+def _by_label(s: ProxyStatistics) -> Iterator[Metric]:
+    """Refusals, calls, tokens and call latency, each by the labels that tell them apart."""
+    yield _counters(
+        "refusals",
+        "Calls the proxy refused before any backend saw them (unknown model, admission "
+        "limits, not ready, no healthy backend, bad request), by reason and HTTP status.",
+        ["reason", "status"],
+        s.refusals.items(),
+    )
+
+    yield _counters(
+        "calls",
+        "Finished LLM calls, by model (as the client named it), backend and HTTP status; "
+        "backend 'none': the client left while the call waited.",
+        ["model", "backend", "status"],
+        s.calls.items(),
+    )
+
+    yield _counters(
+        "tokens",
+        "Tokens the backends reported, by model, backend and kind (prompt, completion; "
+        "cached: the part of the prompt served from the prefix cache).",
+        ["model", "backend", "kind"],
+        s.tokens.items(),
+    )
+
+    call_seconds = HistogramMetricFamily(
+        f"{PREFIX}_call_seconds",
+        "Seconds from a call's arrival to its end, every call that reached a backend "
+        "(streamed or not, whatever its status), by model and backend.",
+        labels=["model", "backend"],
+    )
+    for (model, url), histogram in sorted(s.call_seconds.items()):
+        call_seconds.add_metric([model, url], _buckets(histogram), histogram.sum)
+    yield call_seconds
 
 
 def _counters(
