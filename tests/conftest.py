@@ -46,7 +46,7 @@ from thunderproxy.programs import ProgramRegistry
 from thunderproxy.programs.profile import Profiles
 from thunderproxy.runtime import RunningProxy, run
 from thunderproxy.scheduling import DefaultPolicy, Scheduler
-from thunderproxy.scheduling.policy import PolicyConfig
+from thunderproxy.scheduling.tr import PolicyConfig
 
 if TYPE_CHECKING:
     from tests.fakebackend import FakeBackend

@@ -25,7 +25,7 @@ from thunderproxy.scheduling.learners import (
     PromptSizer,
     fit,
 )
-from thunderproxy.scheduling.policy import PolicyConfig
+from thunderproxy.scheduling.tr import PolicyConfig
 
 B0, B1, B2 = "http://b0", "http://b1", "http://b2"
 

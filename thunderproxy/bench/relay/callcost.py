@@ -46,7 +46,7 @@ from ...programs.profile import Profiles
 from ...protocols import Protocol
 from ...protocols.recognition import ProgramRecognizer
 from ...scheduling import Scheduler, policy_named
-from ...scheduling.policy import PolicyConfig
+from ...scheduling.tr import PolicyConfig
 from ...statistics import Counters
 from .fastbackend import chunk_payloads
 

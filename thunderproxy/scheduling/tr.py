@@ -1,7 +1,8 @@
-"""The tr capacity policy, pure: it takes snapshots of programs and backends plus ``now`` and
+"""The tr capacity rules, pure: it takes snapshots of programs and backends plus ``now`` and
 returns decisions; ``scheduler.py`` applies them. Nothing here reads a clock or does I/O.
 
-The model (seed 000, with its known defects fixed; docs/SCHEDULING.md has the full story):
+The model (ThunderAgent's router's, with its known defects fixed; docs/SCHEDULING.md has the
+full story):
 
     used(backend) = Σ REASONING (tokens + decode_buffer) · calls    marked programs credited
                   + Σ ACTING   tokens · tool_coefficient · 2^(-idle / half_life)
