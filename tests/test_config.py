@@ -27,7 +27,7 @@ from thunderproxy.config import (
     settings_table,
 )
 from thunderproxy.errors import ConfigError
-from thunderproxy.scheduling import policy
+from thunderproxy.scheduling import tr
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -53,7 +53,7 @@ def test_every_setting_has_one_flag_one_env_var_and_a_default_matching_settings(
 
 
 def test_the_policy_is_declared_once_nested_in_settings() -> None:
-    assert policy.PolicyConfig is PolicyConfig
+    assert tr.PolicyConfig is PolicyConfig
     assert SETTINGS_BY_NAME["pause_cooldown"].path == ("policy", "pause_cooldown_s")
     assert SETTINGS_BY_NAME["pause_cooldown"].flag == "--pause-cooldown"
     settings = load_settings(pause_cooldown=2.5, max_queue_wait=3.0, gate_returns=False)

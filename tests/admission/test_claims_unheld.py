@@ -24,8 +24,8 @@ from thunderproxy.admission.shared_kv import SharedBackends
 from thunderproxy.programs import ProgramStatus, StepUsage
 from thunderproxy.scheduling import Scheduler, claims
 from thunderproxy.scheduling.costs import HoldLedger
-from thunderproxy.scheduling.policy import BackendView, PolicyConfig, ProgramView
 from thunderproxy.scheduling.scheduler import StepLease
+from thunderproxy.scheduling.tr import BackendView, PolicyConfig, ProgramView
 
 B0 = "http://b0"
 KV = 10_000

@@ -19,7 +19,7 @@ from thunderproxy.gateway import Call
 from thunderproxy.http.sse import OPENAI
 from thunderproxy.programs import ProgramStatus, StepUsage
 from thunderproxy.scheduling.classes import BATCH, INTERACTIVE, named_class, resolve
-from thunderproxy.scheduling.policy import PolicyConfig
+from thunderproxy.scheduling.tr import PolicyConfig
 
 from .test_scheduler import B0, CFG, Harness, begin, end, harness, open_harness, snapshot
 

@@ -14,8 +14,8 @@ import trio
 from thunderproxy.programs import StepUsage
 from thunderproxy.scheduling import Scheduler, costs
 from thunderproxy.scheduling.costs import HoldLedger, Mean
-from thunderproxy.scheduling.policy import PolicyConfig
 from thunderproxy.scheduling.scheduler import serve_resume_monitor
+from thunderproxy.scheduling.tr import PolicyConfig
 
 from .test_scheduler import B0, begin, open_harness
 from .test_scheduler import CFG as SCHEDULER_CFG

@@ -19,8 +19,8 @@ from thunderproxy.backends import BackendPool, EngineSnapshot, open_backend_pool
 from thunderproxy.errors import ProgramReleased
 from thunderproxy.programs import ProgramRegistry, ProgramStatus, StepUsage
 from thunderproxy.scheduling import Scheduler, TrPolicy
-from thunderproxy.scheduling.policy import PolicyConfig
 from thunderproxy.scheduling.scheduler import StepLease, serve_resume_monitor
+from thunderproxy.scheduling.tr import PolicyConfig
 
 B0, B1 = "http://b0", "http://b1"
 
@@ -449,7 +449,7 @@ async def test_a_call_past_half_its_bound_takes_freed_room_without_waiting_for_t
 async def test_the_backends_call_time_is_learned_from_its_calls(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    # What spaces resume rounds where calls are short (policy.resume_cooldown): the calls'
+    # What spaces resume rounds where calls are short (tr.resume_cooldown): the calls'
     # own time on the backend, sent to last byte, not their wait in the proxy.
     async with open_harness(CFG) as harness:
         sched = harness.scheduler

@@ -11,8 +11,8 @@ import trio
 from thunderproxy.audit import DecisionRecord
 from thunderproxy.backends import EngineSnapshot
 from thunderproxy.programs import ProgramStatus
-from thunderproxy.scheduling.policy import PolicyConfig
 from thunderproxy.scheduling.tiers import GPU, GPU_CPU, Tiers, assumed_tier, gate, spill_tokens
+from thunderproxy.scheduling.tr import PolicyConfig
 
 from .test_scheduler import B0, Harness, harness, snapshot
 

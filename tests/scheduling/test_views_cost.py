@@ -18,7 +18,7 @@ from thunderproxy.backends import BackendPool
 from thunderproxy.programs import ProgramRegistry, StepUsage
 from thunderproxy.scheduling import TrPolicy
 from thunderproxy.scheduling.policies import Views
-from thunderproxy.scheduling.policy import BackendView, PolicyConfig, used_tokens
+from thunderproxy.scheduling.tr import BackendView, PolicyConfig, used_tokens
 from thunderproxy.scheduling.views import ViewSource
 
 

@@ -66,7 +66,7 @@ class LeaseLike(Protocol):
 
 
 class DecisionLike(Protocol):
-    """What a decision row needs of a scheduling decision (scheduling.policy.Decision)."""
+    """What a decision row needs of a scheduling decision (scheduling.tr.Decision)."""
 
     @property
     def action(self) -> str: ...

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .policy import (
+from .tr import (
     Action,
     BackendView,
     Decision,
@@ -42,7 +42,7 @@ class Ask:
     #: This instance's claims on the backend, the call's included, as the policy counts them.
     demand: int
     #: The claims the policy lets programs not yet running reach there, before what the other
-    #: instances claim comes off (``policy.limit`` without the others).
+    #: instances claim comes off (``tr.limit`` without the others).
     whole: int
     #: This instance's view found it alone in front of the backends and its ledger found
     #: that holding does not pay there: the call is granted whatever ``demand`` while no other
@@ -66,7 +66,7 @@ def holds(ledger: bool, shared: bool) -> bool:
     preemptions was one of them; checking those calls in Redis but granting them while the
     other worker claimed nothing still left 5 to 8 (four runs), each worker in turn filling a
     backend two to three times over while the other was idle. So while others are live, tr
-    holds, as under ``hold = always``: the fit test against the shared sums (``policy.limit``
+    holds, as under ``hold = always``: the fit test against the shared sums (``tr.limit``
     takes the others' claims off), the gate on returns, the resumes in order. Alone (one
     instance with Redis, or Redis away), the ledger decides as without Redis."""
     return ledger or shared

@@ -14,7 +14,7 @@ with an ``observe`` that returns the next one, and reads no clock and does no I/
   KV near its capacity, or calls already queued in it): a call held in the proxy meanwhile
   would have waited in the engine's queue instead (the hold ledger, costs.py).
 - :class:`CallTime` is how long one backend's calls take, sent to last byte: what its resume
-  rounds are spaced by where calls are short (policy.resume_cooldown).
+  rounds are spaced by where calls are short (tr.resume_cooldown).
 """
 
 from __future__ import annotations

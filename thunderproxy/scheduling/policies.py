@@ -13,8 +13,8 @@ from functools import cached_property
 from typing import Protocol
 
 from ..programs import ProgramStatus
-from . import policy
-from .policy import Action, BackendView, Decision, PolicyConfig, ProgramView
+from . import tr
+from .tr import Action, BackendView, Decision, PolicyConfig, ProgramView
 
 
 class Views:
@@ -45,7 +45,7 @@ class Views:
         self._held = held
 
     def bound(self, backend: BackendView) -> int | None:
-        """At least what ``policy.used_tokens`` counts on ``backend`` over any of
+        """At least what ``tr.used_tokens`` counts on ``backend`` over any of
         ``programs``, at any time (None: not kept)."""
         return None if self._bound is None else self._bound(backend)
 
@@ -56,7 +56,7 @@ class Views:
         return self._paused()
 
     def any_held(self) -> bool:
-        """Whether a call of a running program is held (``policy.on_call``)."""
+        """Whether a call of a running program is held (``tr.on_call``)."""
         if self._held is None:
             return any(p.held for p in self.programs)
         return self._held()
@@ -139,52 +139,50 @@ class DefaultPolicy:
     def retire(self, views: Views, now: float) -> list[Decision]:
         if self.config.idle_lease_s <= 0:
             return []
-        return policy.retire(views.idle(self.config.idle_lease_s), self.config, now)
+        return tr.retire(views.idle(self.config.idle_lease_s), self.config, now)
 
     def expected_wait(self, position: int, resume_times: Sequence[float], now: float) -> float:
         return 0.0
 
 
 class TrPolicy(DefaultPolicy):
-    """Pauses and resumes whole programs so the running ones keep their KV cache (policy.py)."""
+    """Pauses and resumes whole programs so the running ones keep their KV cache (tr.py)."""
 
     name = "tr"
 
     def admit(self, candidate: ProgramView, views: Views, now: float) -> Decision | None:
         assert candidate.backend is not None
         backend = views.backend(candidate.backend)
-        # Most first calls are decided without the programs' views (policy.admit_without_sum):
+        # Most first calls are decided without the programs' views (tr.admit_without_sum):
         # what a first call costs is then that of the calls in flight and the waiting ones.
         bound = views.bound(backend)
-        fast = policy.admit_without_sum(
-            candidate, backend, bound, views.waiting(), self.config, now
-        )
+        fast = tr.admit_without_sum(candidate, backend, bound, views.waiting(), self.config, now)
         if fast is not None:
             return fast
-        return policy.admit(candidate, backend, views.programs, self.config, now)
+        return tr.admit(candidate, backend, views.programs, self.config, now)
 
     def on_return(self, program: ProgramView, views: Views, now: float) -> Decision | None:
         if not self.config.gate_returns or program.backend is None:
             return None
         backend = views.backend(program.backend)
         if not backend.hold:
-            # on_return lets it through without the programs' views (policy.on_return).
-            return policy.on_return(program, backend, (), self.config, now)
+            # on_return lets it through without the programs' views (tr.on_return).
+            return tr.on_return(program, backend, (), self.config, now)
         bound = views.bound(backend)
         if bound is not None:
-            fits = policy.fits_on_return(program, backend, bound, self.config, now)
+            fits = tr.fits_on_return(program, backend, bound, self.config, now)
             if fits is not None:
                 return fits
-        return policy.on_return(program, backend, views.programs, self.config, now)
+        return tr.on_return(program, backend, views.programs, self.config, now)
 
     def on_call(self, program: ProgramView, views: Views, now: float) -> Decision | None:
         if program.backend is None:
             return None
         backend = views.backend(program.backend)
         # Most such calls fit, known from the bound without the programs' views.
-        if policy.call_fits(program, backend, views.bound(backend), views.waiting(), self.config):
+        if tr.call_fits(program, backend, views.bound(backend), views.waiting(), self.config):
             return None
-        return policy.on_call(program, backend, views.programs, self.config, now)
+        return tr.on_call(program, backend, views.programs, self.config, now)
 
     def rebalance(
         self, views: Views, now: float, *, backends: frozenset[str] | None = None
@@ -195,7 +193,7 @@ class TrPolicy(DefaultPolicy):
             not views.any_paused()
             and not views.any_held()
             and all(
-                policy.settled(view, views.bound(view), self.config, now)
+                tr.settled(view, views.bound(view), self.config, now)
                 for view in views.backends
                 if backends is None or view.url in backends
             )
@@ -205,15 +203,15 @@ class TrPolicy(DefaultPolicy):
         decisions: list[Decision] = []
         for view in views.backends:
             if backends is None or view.url in backends:
-                decisions += policy.enforce(view, programs, self.config, now)
+                decisions += tr.enforce(view, programs, self.config, now)
         if decisions:
             programs = after(programs, decisions, now)
         if any(p.status is ProgramStatus.PAUSED or p.held for p in programs):
-            decisions += policy.resume(views.backends, programs, self.config, now)
+            decisions += tr.resume(views.backends, programs, self.config, now)
         return decisions
 
     def expected_wait(self, position: int, resume_times: Sequence[float], now: float) -> float:
-        return policy.expected_wait(position, resume_times, self.config, now)
+        return tr.expected_wait(position, resume_times, self.config, now)
 
 
 def after(

@@ -26,8 +26,8 @@ from .classes import INTERACTIVE, resolve
 from .costs import horizon_s
 from .learners import PromptSizer, program_estimate
 from .policies import Policy, Views
-from .policy import MAX_KEEP_S, Action, Decision, PolicyConfig, ProgramView, used_tokens
-from .policy import force_resume as policy_force_resume
+from .tr import MAX_KEEP_S, Action, Decision, PolicyConfig, ProgramView, used_tokens
+from .tr import force_resume as policy_force_resume
 from .views import BackendSchedule, ViewSource
 from .waiters import Waiters
 
@@ -110,7 +110,7 @@ class Scheduler:
         #: Per backend, the growth of returning calls whose claims are being checked.
         self._pending: dict[str, int] = {}
         self._waiters = Waiters()
-        #: Calls held while other calls of their program are in flight (policy.on_call).
+        #: Calls held while other calls of their program are in flight (tr.on_call).
         self._held = Waiters()
         #: When recent resumes happened: the queue's drain rate, for Retry-After.
         self._resume_times: deque[float] = deque(maxlen=64)
@@ -656,7 +656,7 @@ class Scheduler:
         if tracked:
             self.registry.end_step(program, now, usage, reason=reason)
             if program.in_flight or program.held_calls:
-                # Its context stays cached for the program's next call (policy.weight).
+                # Its context stays cached for the program's next call (tr.weight).
                 ended = program.ended_contexts
                 ended[:] = [t for t in ended if now - t <= MAX_KEEP_S]
                 ended.append(now)

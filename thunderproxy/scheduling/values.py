@@ -1,4 +1,4 @@
-"""What the tr rules (``policy.py``) read and return, as plain values: a program's and a
+"""What the tr rules (``tr.py``) read and return, as plain values: a program's and a
 backend's view, and a ``Decision`` with its ``Action``. ``views.py`` builds the views;
 ``scheduler.py`` applies the decisions.
 """

@@ -15,9 +15,9 @@ from .costs import HoldLedger
 from .learners import CallTime, CapacityFactor, Saturation, SharedPrefix
 from .placement import Candidate, choose_backend
 from .policies import Views
-from .policy import MAX_KEEP_S, BackendView, PolicyConfig, ProgramView, decay, used_tokens
 from .tiers import Tiers
 from .tiers import gate as tier_gate
+from .tr import MAX_KEEP_S, BackendView, PolicyConfig, ProgramView, decay, used_tokens
 
 
 @dataclass
@@ -37,7 +37,7 @@ class BackendSchedule:
     #: How long its engine was seen full: what of a held call's wait it would have spent in the
     #: engine's queue without holding (learners.Saturation, costs.HoldLedger).
     saturation: Saturation = Saturation()
-    #: How long its calls take (policy.resume_cooldown spaces resume rounds by it).
+    #: How long its calls take (tr.resume_cooldown spaces resume rounds by it).
     call_time: CallTime = CallTime()
 
 
@@ -55,7 +55,7 @@ class ViewSource:
         self.pool = pool
         self.config = config
         #: Tokens other instances' programs claim on a backend (shared through Redis); they
-        #: come off its capacity (policy.limit), so tr admits here only what fits beside them.
+        #: come off its capacity (tr.limit), so tr admits here only what fits beside them.
         self.others = others
         #: Whether other live instances share the backends (Redis); where they do, tr holds
         #: whatever the hold ledger says (claims.holds).
@@ -67,7 +67,7 @@ class ViewSource:
         self._eligible: dict[str | None, frozenset[str] | None] = {}
         #: ProgramViews built so far: what a call costs grows with them (tests bound it).
         self.programs_viewed = 0
-        #: Programs a call of which is held until one more context fits (policy.on_call).
+        #: Programs a call of which is held until one more context fits (tr.on_call).
         self.held: set[str] = set()
 
     def refresh(self) -> None:
@@ -150,7 +150,7 @@ class ViewSource:
 
     def note_wait(self, program_id: str, seconds: float) -> None:
         """A call of ``program_id`` goes out after ``seconds`` in the proxy. What a program has
-        waited in all orders the resumes (policy.priority), so that waits are spread over the
+        waited in all orders the resumes (tr.priority), so that waits are spread over the
         programs instead of piling up on the same ones."""
         if seconds > 0:
             self._waited[program_id] = self._waited.get(program_id, 0.0) + seconds
@@ -159,13 +159,13 @@ class ViewSource:
             self._waited = {k: v for k, v in self._waited.items() if k in self.registry}
 
     def used_bound(self, b: BackendView) -> int:
-        """At least what ``policy.used_tokens`` counts on ``b`` over the programs ``views``
+        """At least what ``tr.used_tokens`` counts on ``b`` over the programs ``views``
         sees, at any time, from the registry's index: it walks the calls in flight and the
         waiting requests, not the programs tracked.
 
         ``used_tokens`` sums each counted program's ``weight`` and takes the shared prefix
         off for every counted context past the first. Here: a REASONING program (each of its
-        calls in flight a context of its own, ``policy.contexts``), or an
+        calls in flight a context of its own, ``tr.contexts``), or an
         ACTING one whose request waits, weighs its tokens and the decode buffer, as there; an
         ACTING program weighs at most its tokens times the tool coefficient (its claim only
         decays, or is whole or nothing with a keep horizon), summed over the backend's

@@ -54,7 +54,7 @@ class Waiters:
 
     def wake_one(self, program_id: str) -> bool:
         """Wake the program's newest request as ``granted`` (a held call that fits now: the
-        newest is the likeliest to find its context still cached, policy.on_call); False where
+        newest is the likeliest to find its context still cached, tr.on_call); False where
         none waits."""
         waiters = self._by_program.get(program_id)
         if not waiters:

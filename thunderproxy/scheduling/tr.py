@@ -1,7 +1,8 @@
-"""The tr capacity policy, pure: it takes snapshots of programs and backends plus ``now`` and
+"""The tr capacity rules, pure: it takes snapshots of programs and backends plus ``now`` and
 returns decisions; ``scheduler.py`` applies them. Nothing here reads a clock or does I/O.
 
-The model (seed 000, with its known defects fixed; docs/SCHEDULING.md has the full story):
+The model (ThunderAgent's router's, with its known defects fixed; docs/SCHEDULING.md has the
+full story):
 
     used(backend) = Σ REASONING (tokens + decode_buffer) · calls    marked programs credited
                   + Σ ACTING   tokens · tool_coefficient · 2^(-idle / half_life)
@@ -666,43 +667,17 @@ def resume(
         for b in healthy
         if b.last_resume_at is None or now - b.last_resume_at >= resume_cooldown(b, cfg)
     }
-    paused = [p for p in programs if p.status is ProgramStatus.PAUSED]
-    uses: dict[str, dict[str | None, int]] = {}
-    if any(p.client is not None for p in programs):
-        uses = {b.url: client_use(b, programs, cfg, now) for b in healthy}
-
-    def use(p: ProgramView) -> int:
-        return uses.get(p.backend or "", {}).get(p.client, 0)
-
-    waiting = sorted(
-        (p for p in paused if p.waiting_since is not None),
-        key=lambda p: (*rank(p, cfg, now, use(p)), p.waiting_since or 0.0),
-    )
-    held = sorted(
-        (p for p in programs if p.held and not p.marked and p.status is not ProgramStatus.PAUSED),
-        key=lambda p: (*rank(p, cfg, now, use(p)), p.waiting_since or 0.0),
-    )
-    idle = sorted(
-        (p for p in paused if p.waiting_since is None),
-        key=lambda p: (not interactive(p), p.paused_since or 0.0),
-    )
     # Each backend's use is summed once; resumes decided in this round are added as they
     # come (one pass over the programs per backend, not one per candidate: this runs on every
     # step end, with up to thousands of programs).
-    used_by = {b.url: used_tokens(b, programs, cfg, now) for b in healthy}
-    # First calls fit against the admission view (admission_used), later calls the usual one.
-    newcomers = any(p.steps == 0 for p in waiting)
-    admit_by = {
-        b.url: admission_used(b, programs, cfg, now) if newcomers else used_by[b.url]
-        for b in healthy
-    }
+    room = _Room(healthy, programs, cfg, now)
     decisions: list[Decision] = []
     blocked = False
     #: Backends where a paused program's call waits unplaced: no held call passes it there.
     stalled: set[str] = set()
-    for position, p in enumerate([*waiting, *held, *idle]):
+    for position, p in enumerate(_resume_order(healthy, programs, cfg, now)):
         if p.status is not ProgramStatus.PAUSED:
-            decisions += _release_held(p, healthy, stalled, used_by, cfg, now)
+            decisions += _release_held(p, healthy, stalled, room.used, cfg, now)
             continue
         waited = now - (p.waiting_since if p.waiting_since is not None else p.paused_since or now)
         group = healthy if p.eligible is None else [b for b in healthy if b.url in p.eligible]
@@ -711,84 +686,126 @@ def resume(
         own = next((b for b in group if b.url == p.backend), None)
         if p.waiting_since is not None and own is not None and not own.hold:
             decisions.append(
-                _decision(
-                    Action.RESUME,
-                    p,
-                    own.unheld_rule,
-                    own,
-                    cfg,
-                    now,
-                    used_by[own.url],
-                    target_backend=own.url,
-                    queue_position=position,
-                    detail=dict(own.hold_inputs),
-                )
-            )
-            used_by[own.url] += p.tokens + cfg.decode_buffer
-            admit_by[own.url] += p.tokens + cfg.decode_buffer
+                _decision(Action.RESUME, p, own.unheld_rule, own, cfg, now, room.used[own.url],
+                          target_backend=own.url, queue_position=position,
+                          detail=dict(own.hold_inputs))
+            )  # fmt: skip
+            room.take(own, p)
             continue
         if p.waiting_since is not None and waited >= bound(p, cfg):
-            target = own or min(group, key=lambda b: used_by[b.url])
-            used = used_by[target.url]
+            target = own or min(group, key=lambda b: room.used[b.url])
             decisions.append(
-                _decision(
-                    Action.FORCE_RESUME,
-                    p,
-                    "max_wait",
-                    target,
-                    cfg,
-                    now,
-                    used,
-                    target_backend=target.url,
-                    queue_position=position,
-                )
-            )
-            used_by[target.url] += p.tokens + cfg.decode_buffer
-            admit_by[target.url] += p.tokens + cfg.decode_buffer
+                _decision(Action.FORCE_RESUME, p, "max_wait", target, cfg, now,
+                          room.used[target.url], target_backend=target.url,
+                          queue_position=position)
+            )  # fmt: skip
+            room.take(target, p)
             continue
         if blocked:
             continue
         pressing = urgent(p, cfg, now)
-        candidates = ([own] if own else []) + sorted(
-            (b for b in group if b is not own),
-            key=lambda b: used_by[b.url],
-        )
-        placed = False
-        for b in candidates:
-            if b.url not in ready and not pressing:
-                continue  # a call past half its bound takes its room without a cooldown
-            used = used_by[b.url]
-            first = p.steps == 0 and not interactive(p)  # weighed as ``admit`` weighs it
-            if not _fits(p, b, admit_by[b.url] if first else used, cfg):
-                continue
-            if b is own or p.backend is None:
-                action, rule = Action.RESUME, "capacity_free"
-            elif own is None:
-                action, rule = Action.MIGRATE, "backend_unhealthy"
-            else:
-                action, rule = Action.MIGRATE, "own_backend_full"
-            decisions.append(
-                _decision(
-                    action,
-                    p,
-                    rule,
-                    b,
-                    cfg,
-                    now,
-                    used,
-                    target_backend=b.url,
-                    queue_position=position,
-                )
-            )
-            used_by[b.url] += p.tokens + cfg.decode_buffer
-            admit_by[b.url] += p.tokens + cfg.decode_buffer
-            placed = True
-            break
-        if not placed and p.waiting_since is not None:
+        placed = _place(p, group, own, ready, pressing, room, position, cfg, now)
+        if placed is not None:
+            decisions.append(placed)
+        elif p.waiting_since is not None:
             stalled.add(p.backend or "")
-        if not placed and pressing:
+        if placed is None and pressing:
             blocked = True  # aging: the head reserves the next free capacity
     return decisions
+
+
+class _Room:
+    """``resume``'s running count of each healthy backend's use: as ``used_tokens`` counts it
+    (``used``), and as a new program's first call is weighed (``admit``: ``admission_used``,
+    where a first call waits), each grown by the programs resumed so far."""
+
+    def __init__(
+        self,
+        healthy: Sequence[BackendView],
+        programs: Sequence[ProgramView],
+        cfg: PolicyConfig,
+        now: float,
+    ) -> None:
+        self.cfg = cfg
+        self.used = {b.url: used_tokens(b, programs, cfg, now) for b in healthy}
+        newcomers = any(
+            p.steps == 0 and p.status is ProgramStatus.PAUSED and p.waiting_since is not None
+            for p in programs
+        )
+        self.admit = {
+            b.url: admission_used(b, programs, cfg, now) if newcomers else self.used[b.url]
+            for b in healthy
+        }
+
+    def take(self, b: BackendView, p: ProgramView) -> None:
+        self.used[b.url] += p.tokens + self.cfg.decode_buffer
+        self.admit[b.url] += p.tokens + self.cfg.decode_buffer
+
+
+def _resume_order(
+    healthy: Sequence[BackendView],
+    programs: Sequence[ProgramView],
+    cfg: PolicyConfig,
+    now: float,
+) -> list[ProgramView]:
+    """``resume``'s candidates in order: paused programs with a waiting call, then running
+    programs' held calls (both by ``rank``, the client holding the least KV first where there
+    are clients), then paused programs whose tool still runs, interactive ones first."""
+    paused = [p for p in programs if p.status is ProgramStatus.PAUSED]
+    uses: dict[str, dict[str | None, int]] = {}
+    if any(p.client is not None for p in programs):
+        uses = {b.url: client_use(b, programs, cfg, now) for b in healthy}
+
+    def order(p: ProgramView) -> tuple[bool, int, float, float]:
+        use = uses.get(p.backend or "", {}).get(p.client, 0)
+        return (*rank(p, cfg, now, use), p.waiting_since or 0.0)
+
+    waiting = sorted((p for p in paused if p.waiting_since is not None), key=order)
+    held = sorted(
+        (p for p in programs if p.held and not p.marked and p.status is not ProgramStatus.PAUSED),
+        key=order,
+    )
+    idle = sorted(
+        (p for p in paused if p.waiting_since is None),
+        key=lambda p: (not interactive(p), p.paused_since or 0.0),
+    )
+    return [*waiting, *held, *idle]
+
+
+def _place(
+    p: ProgramView,
+    group: Sequence[BackendView],
+    own: BackendView | None,
+    ready: set[str],
+    pressing: bool,
+    room: _Room,
+    position: int,
+    cfg: PolicyConfig,
+    now: float,
+) -> Decision | None:
+    """Where paused ``p`` fits in ``group``, its own backend first, then the least used (a
+    resume there, or a migration); None where it fits nowhere. A backend still cooling from
+    its last resume round is passed over unless ``p`` is ``pressing``."""
+    candidates = ([own] if own else []) + sorted(
+        (b for b in group if b is not own), key=lambda b: room.used[b.url]
+    )
+    for b in candidates:
+        if b.url not in ready and not pressing:
+            continue  # a call past half its bound takes its room without a cooldown
+        used = room.used[b.url]
+        first = p.steps == 0 and not interactive(p)  # weighed as ``admit`` weighs it
+        if not _fits(p, b, room.admit[b.url] if first else used, cfg):
+            continue
+        if b is own or p.backend is None:
+            action, rule = Action.RESUME, "capacity_free"
+        elif own is None:
+            action, rule = Action.MIGRATE, "backend_unhealthy"
+        else:
+            action, rule = Action.MIGRATE, "own_backend_full"
+        room.take(b, p)
+        return _decision(action, p, rule, b, cfg, now, used, target_backend=b.url,
+                         queue_position=position)  # fmt: skip
+    return None
 
 
 def _release_held(

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from thunderproxy.programs import ProgramStatus
-from thunderproxy.scheduling import policy
-from thunderproxy.scheduling.policy import Action, BackendView, PolicyConfig, ProgramView
+from thunderproxy.scheduling import tr
+from thunderproxy.scheduling.tr import Action, BackendView, PolicyConfig, ProgramView
 
 B = "http://b0"
 R, A, P = ProgramStatus.REASONING, ProgramStatus.ACTING, ProgramStatus.PAUSED
@@ -37,14 +37,14 @@ def prog(name: str, status: ProgramStatus, tokens: int, **kw: object) -> Program
 def test_marked_programs_are_credited_so_a_small_overflow_marks_one_program() -> None:
     # Defect 2: without the credit, every reasoning program gets marked on a 1% overflow.
     programs = [prog(f"r{i}", R, 1_010, created_at=float(i)) for i in range(10)]
-    decisions = policy.enforce(backend(10_000), programs, CFG, now=50.0)
+    decisions = tr.enforce(backend(10_000), programs, CFG, now=50.0)
     assert [(d.action, d.program_id) for d in decisions] == [(Action.MARK, "r9")]
     assert decisions[0].used_tokens == 10_100
     assert decisions[0].capacity_tokens == 10_000
     # The next rounds see r9 marked and credited: nothing more is marked, round after round.
     marked = [replace(p, marked=p.program_id == "r9") for p in programs]
     for now in (51.0, 52.0, 53.0):
-        assert policy.enforce(backend(10_000), marked, CFG, now=now) == []
+        assert tr.enforce(backend(10_000), marked, CFG, now=now) == []
 
 
 def test_idle_programs_are_paused_longest_idle_first_not_by_size() -> None:
@@ -54,7 +54,7 @@ def test_idle_programs_are_paused_longest_idle_first_not_by_size() -> None:
         prog("big-recent", A, 4_000, acting_since=99.0),
         prog("small-old", A, 1_000, acting_since=10.0),
     ]
-    decisions = policy.enforce(backend(10_000), programs, CFG, now=100.0)
+    decisions = tr.enforce(backend(10_000), programs, CFG, now=100.0)
     assert [(d.action, d.program_id) for d in decisions] == [(Action.PAUSE, "small-old")]
     assert decisions[0].idle_s == 90.0
 
@@ -62,11 +62,11 @@ def test_idle_programs_are_paused_longest_idle_first_not_by_size() -> None:
 def test_acting_tokens_decay_with_the_configured_half_life() -> None:
     cfg = PolicyConfig(decode_buffer=0, acting_half_life_s=10.0)
     acting = prog("a", A, 8_000, acting_since=0.0)
-    assert policy.weight(acting, cfg, now=0.0) == 8_000
-    assert policy.weight(acting, cfg, now=10.0) == 4_000
-    assert policy.weight(acting, cfg, now=30.0) == 1_000
+    assert tr.weight(acting, cfg, now=0.0) == 8_000
+    assert tr.weight(acting, cfg, now=10.0) == 4_000
+    assert tr.weight(acting, cfg, now=30.0) == 1_000
     no_decay = PolicyConfig(decode_buffer=0, acting_half_life_s=0)
-    assert policy.weight(acting, no_decay, now=1e6) == 8_000
+    assert tr.weight(acting, no_decay, now=1e6) == 8_000
 
 
 def test_decay_frees_room_for_admission() -> None:
@@ -75,47 +75,47 @@ def test_decay_frees_room_for_admission() -> None:
     )
     programs = [prog("a", A, 9_000, acting_since=0.0)]
     newcomer = prog("new", R, 4_000)
-    assert policy.admit(newcomer, backend(10_000), programs, cfg, now=1.0).action is Action.QUEUE
+    assert tr.admit(newcomer, backend(10_000), programs, cfg, now=1.0).action is Action.QUEUE
     # Newcomers see idle claims decay with the longer admission half-life: at 10 s "a" still
     # claims 6,364 tokens for them (its next call is likely), though only 2,250 for others.
-    assert policy.admit(newcomer, backend(10_000), programs, cfg, now=10.0).action is Action.QUEUE
-    assert policy.admit(newcomer, backend(10_000), programs, cfg, now=30.0).action is Action.ADMIT
+    assert tr.admit(newcomer, backend(10_000), programs, cfg, now=10.0).action is Action.QUEUE
+    assert tr.admit(newcomer, backend(10_000), programs, cfg, now=30.0).action is Action.ADMIT
     a_returning = prog("a", A, 9_000, acting_since=0.0)
-    assert policy.weight(a_returning, cfg, now=10.0) == 2_250
-    assert policy.admission_used(backend(10_000), programs, cfg, now=10.0) == 6_363
+    assert tr.weight(a_returning, cfg, now=10.0) == 2_250
+    assert tr.admission_used(backend(10_000), programs, cfg, now=10.0) == 6_363
 
 
 def test_pause_cooldown_limits_pause_rounds() -> None:
     cfg = PolicyConfig(decode_buffer=0, pause_cooldown_s=5.0, acting_half_life_s=0)
     programs = [prog("r", R, 9_000), prog("a", A, 5_000, acting_since=0.0)]
-    assert policy.enforce(backend(10_000, last_pause_at=98.0), programs, cfg, now=100.0) == []
-    assert policy.enforce(backend(10_000, last_pause_at=94.0), programs, cfg, now=100.0)
+    assert tr.enforce(backend(10_000, last_pause_at=98.0), programs, cfg, now=100.0) == []
+    assert tr.enforce(backend(10_000, last_pause_at=94.0), programs, cfg, now=100.0)
 
 
 def test_shared_prefix_is_credited_once_per_extra_program() -> None:
     programs = [prog(f"a{i}", A, 3_000, acting_since=0.0) for i in range(4)]
-    assert policy.used_tokens(backend(), programs, CFG, now=0.0) == 12_000
+    assert tr.used_tokens(backend(), programs, CFG, now=0.0) == 12_000
     shared = backend(shared_prefix_tokens=1_000)
-    assert policy.used_tokens(shared, programs, CFG, now=0.0) == 9_000
-    assert policy.enforce(backend(10_000, shared_prefix_tokens=1_000), programs, CFG, 0.0) == []
+    assert tr.used_tokens(shared, programs, CFG, now=0.0) == 9_000
+    assert tr.enforce(backend(10_000, shared_prefix_tokens=1_000), programs, CFG, 0.0) == []
 
 
 def test_preemption_backoff_shrinks_the_usable_capacity() -> None:
-    assert policy.limit(backend(10_000, capacity_factor=0.8), CFG) == 8_000
+    assert tr.limit(backend(10_000, capacity_factor=0.8), CFG) == 8_000
 
 
 def test_unknown_capacity_never_stalls() -> None:
     # Defect 5: a backend whose capacity metric is missing admits instead of queuing forever.
     programs = [prog("a", R, 50_000)]
-    decision = policy.admit(prog("new", R, 50_000), backend(None), programs, CFG, now=0.0)
+    decision = tr.admit(prog("new", R, 50_000), backend(None), programs, CFG, now=0.0)
     assert decision.action is Action.ADMIT
     assert decision.rule == "capacity_unknown"
-    assert policy.enforce(backend(None), programs, CFG, now=0.0) == []
+    assert tr.enforce(backend(None), programs, CFG, now=0.0) == []
 
 
 def test_newcomers_queue_behind_waiting_programs() -> None:
     programs = [prog("w", P, 100, waiting_since=5.0, paused_since=1.0)]
-    decision = policy.admit(prog("new", R, 10), backend(), programs, CFG, now=6.0)
+    decision = tr.admit(prog("new", R, 10), backend(), programs, CFG, now=6.0)
     assert (decision.action, decision.rule, decision.queue_position) == (
         Action.QUEUE,
         "programs_waiting",
@@ -130,7 +130,7 @@ def test_resume_serves_the_longest_wait_first_not_the_smallest() -> None:
         prog("small", P, 1_000, waiting_since=2.0, paused_since=0.0),
         prog("running", R, 3_000),
     ]
-    decisions = policy.resume([backend(9_500)], programs, CFG, now=3.0)
+    decisions = tr.resume([backend(9_500)], programs, CFG, now=3.0)
     # Smallest-first would resume "small" and leave no room for "big".
     assert [(d.action, d.program_id) for d in decisions] == [(Action.RESUME, "big")]
 
@@ -142,12 +142,12 @@ def test_aging_head_reserves_capacity_and_max_wait_forces_resume() -> None:
         prog("running", R, 5_000),
     ]
     # Early on, the small one may pass the head that does not fit.
-    early = policy.resume([backend(10_000)], programs, CFG, now=10.0)
+    early = tr.resume([backend(10_000)], programs, CFG, now=10.0)
     assert [(d.action, d.program_id) for d in early] == [(Action.RESUME, "small")]
     # Past half of max_wait the head reserves the next free capacity: nobody passes.
-    assert policy.resume([backend(10_000)], programs, CFG, now=60.0) == []
+    assert tr.resume([backend(10_000)], programs, CFG, now=60.0) == []
     # At max_wait it goes back regardless of capacity.
-    late = policy.resume([backend(10_000)], programs, CFG, now=100.0)
+    late = tr.resume([backend(10_000)], programs, CFG, now=100.0)
     assert [(d.action, d.program_id, d.rule) for d in late] == [
         (Action.FORCE_RESUME, "head", "max_wait")
     ]
@@ -159,7 +159,7 @@ def test_a_protected_program_is_not_paused_again() -> None:
         prog("forced", A, 9_000, acting_since=0.0, protected_until=130.0),
         prog("other", A, 5_000, acting_since=50.0),
     ]
-    decisions = policy.enforce(backend(10_000), programs, CFG, now=100.0)
+    decisions = tr.enforce(backend(10_000), programs, CFG, now=100.0)
     assert [d.program_id for d in decisions] == ["other"]
 
 
@@ -170,12 +170,12 @@ def test_resume_migrates_when_the_own_backend_is_full_or_dead() -> None:
         prog("hog", R, 9_500, backend="http://full"),
         prog("p", P, 2_000, backend="http://full", waiting_since=1.0, paused_since=0.0),
     ]
-    decisions = policy.resume([full, free], programs, CFG, now=2.0)
+    decisions = tr.resume([full, free], programs, CFG, now=2.0)
     assert [(d.action, d.rule, d.target_backend) for d in decisions] == [
         (Action.MIGRATE, "own_backend_full", "http://free")
     ]
     dead = BackendView(url="http://full", healthy=False, capacity_tokens=10_000)
-    decisions = policy.resume([dead, free], programs[1:], CFG, now=2.0)
+    decisions = tr.resume([dead, free], programs[1:], CFG, now=2.0)
     assert [(d.action, d.rule) for d in decisions] == [(Action.MIGRATE, "backend_unhealthy")]
 
 
@@ -186,29 +186,29 @@ def test_idle_lease_retires_programs_never_released() -> None:
         prog("fresh", A, 100, last_activity=500.0),
         prog("waiting", P, 100, last_activity=0.0, waiting_since=0.0),
     ]
-    decisions = policy.retire(programs, CFG, now=700.0)
+    decisions = tr.retire(programs, CFG, now=700.0)
     assert [(d.action, d.program_id) for d in decisions] == [(Action.RETIRE, "stale")]
     off = PolicyConfig(idle_lease_s=0)
-    assert policy.retire(programs, off, now=1e9) == []
+    assert tr.retire(programs, off, now=1e9) == []
 
 
 @pytest.mark.parametrize("fill", [0.5, 0.9, 1.0])
 def test_target_fill_scales_the_limit(fill: float) -> None:
     cfg = PolicyConfig(target_fill=fill)
-    assert policy.limit(backend(10_000), cfg) == int(10_000 * fill)
+    assert tr.limit(backend(10_000), cfg) == int(10_000 * fill)
 
 
 def test_a_returning_program_that_would_overflow_waits() -> None:
     others = [prog("r", R, 6_000)]
     back = prog("back", A, 3_000, acting_since=0.0)
-    fits = policy.on_return(back, backend(10_000), [*others, back], CFG, now=5.0)
+    fits = tr.on_return(back, backend(10_000), [*others, back], CFG, now=5.0)
     assert (fits.action, fits.rule) == (Action.ADMIT, "fits")
     big = replace(back, tokens=5_000)
-    waits = policy.on_return(big, backend(10_000), [*others, big], CFG, now=5.0)
+    waits = tr.on_return(big, backend(10_000), [*others, big], CFG, now=5.0)
     assert (waits.action, waits.rule) == (Action.PAUSE, "no_room_on_return")
     assert waits.used_tokens == 6_000  # its own acting weight is not counted twice
     protected = replace(big, protected_until=10.0)
-    assert policy.on_return(protected, backend(10_000), [*others], CFG, now=5.0).action is (
+    assert tr.on_return(protected, backend(10_000), [*others], CFG, now=5.0).action is (
         Action.ADMIT
     )
 
@@ -220,10 +220,10 @@ def test_reasoning_programs_are_marked_only_when_calls_alone_overflow() -> None:
         prog("busy", R, 6_000),
         prog("forced", A, 5_000, acting_since=0.0, protected_until=1e9),
     ]
-    assert policy.enforce(backend(10_000), programs, CFG, now=1.0) == []
+    assert tr.enforce(backend(10_000), programs, CFG, now=1.0) == []
     # Calls in flight alone exceed the cache: the youngest is marked.
     crowded = [prog("old", R, 6_000, created_at=0.0), prog("young", R, 5_000, created_at=1.0)]
-    decisions = policy.enforce(backend(10_000), crowded, CFG, now=1.0)
+    decisions = tr.enforce(backend(10_000), crowded, CFG, now=1.0)
     assert [(d.action, d.program_id, d.rule) for d in decisions] == [
         (Action.MARK, "young", "calls_exceed_capacity")
     ]
