@@ -36,8 +36,9 @@ import trio
 
 from ...audit import AuditLog
 from ...audit.records import AuditRecord
-from ...backends import EngineSnapshot, UpstreamRequest, open_backend_pool
+from ...backends import EngineSnapshot, UpstreamRequest, UpstreamResponse, open_backend_pool
 from ...backends.h1 import H1Pool, H1Response
+from ...backends.mock import MockBackend, MockResponse
 from ...config import Settings
 from ...core import build_core
 from ...http.edges import Edges
@@ -57,26 +58,6 @@ HEADERS = [
 ]
 
 
-class _Answer:
-    """A streamed answer already in memory: the relay's work without the socket's."""
-
-    status_code = 200
-    headers: Sequence[tuple[str, str]] = [("content-type", "text/event-stream")]
-
-    def __init__(self, chunks: list[bytes]) -> None:
-        self._chunks = chunks
-
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        for chunk in self._chunks:
-            yield chunk
-
-    async def aread(self) -> bytes:
-        return b"".join(self._chunks)
-
-    async def aclose(self) -> None:
-        return None
-
-
 class _Reads:
     """A connection whose reads return one chunked-framed piece each, as a socket delivers a
     stream whose chunks come apart: what ``H1Response`` reads in place of a socket."""
@@ -94,7 +75,12 @@ class _Reads:
         return None
 
 
-class _Backend:
+class _Answers:
+    """What the in-process backend (a ``MockBackend`` that keeps nothing) answers: ``tokens``
+    chunks and the usage and done events, already in memory (the relay's work without the
+    socket's), or with ``framed`` as chunked HTTP/1.1 read through ``H1Response`` (the H1
+    client's de-chunking counted too)."""
+
     def __init__(self, chunks: int, *, framed: bool = False) -> None:
         self.framed = framed
         self.pool = H1Pool("http://in-process", connect_timeout=1.0, max_connections=1 << 30)
@@ -110,9 +96,9 @@ class _Backend:
         self.chunks = [token] * chunks + [usage, done]
         self.pieces = [b"%x\r\n%b\r\n" % (len(c), c) for c in self.chunks] + [b"0\r\n\r\n"]
 
-    async def send(self, request: UpstreamRequest) -> _Answer | H1Response:
+    async def __call__(self, request: UpstreamRequest) -> UpstreamResponse:
         if not self.framed:
-            return _Answer(self.chunks)
+            return MockResponse(200, [("content-type", "text/event-stream")], self.chunks)
         await self.pool._slots.acquire()  # as H1Pool.send takes a slot; the release frees it
         headers = [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")]
         return H1Response(
@@ -205,7 +191,7 @@ async def measure_one_shot(router: str, before: int, batches: int, batch: int) -
     ``before`` such calls: whether what a call costs grows with the programs seen."""
     send, receive = trio.open_memory_channel[AuditRecord](1_000_000)
     audit = AuditLog(send, run_id=1)
-    async with in_process_edges(router, _Backend(32), audit) as edges:
+    async with in_process_edges(router, MockBackend(_Answers(32), keep=False), audit) as edges:
         raw = body(None, 0)  # the same prompt each time: never a continuation, always new
 
         for k in range(before):
@@ -254,8 +240,8 @@ async def measure(
     audit = AuditLog(send, run_id=1)
     counters = Counters()
     audit.observers.append(counters.observe)
-    backend = _Backend(chunks, framed=per_chunk)
-    async with in_process_edges(router, backend, audit) as edges:
+    answers = _Answers(chunks, framed=per_chunk)
+    async with in_process_edges(router, MockBackend(answers, keep=False), audit) as edges:
         bodies = [body(i, history) for i in range(programs)]
         first: list[float] = []
 
@@ -266,7 +252,7 @@ async def measure(
         per_call = []
         chunk_cost = []
         for _ in range(rounds):
-            backend.tokens = chunks
+            answers.tokens = chunks
             started = time.thread_time()
             for raw in bodies:
                 await _call(edges, raw, first)
@@ -274,7 +260,7 @@ async def measure(
             per_call.append(long)
             drain(receive)
             if per_chunk:
-                backend.tokens = 1
+                answers.tokens = 1
                 started = time.thread_time()
                 for raw in bodies:
                     await _call(edges, raw, first)

@@ -34,7 +34,8 @@ import trio
 
 from ...audit import AuditLog
 from ...audit.records import AuditRecord
-from ...backends import BackendPool, EngineSnapshot, UpstreamRequest, UpstreamResponse
+from ...backends import BackendPool, EngineSnapshot
+from ...backends.mock import MockBackend
 from ...config import Settings, load_settings
 from ...core import build_core
 from ...programs import ProgramRegistry, StepUsage
@@ -165,7 +166,7 @@ async def scheduler_cost(n: int, calls: int, router: str) -> float:
     send, receive = trio.open_memory_channel[AuditRecord](math.inf)
     audit = AuditLog(send, run_id=0)
     pool = BackendPool()
-    node = pool.attach("http://capacity.invalid", _NeverSent())
+    node = pool.attach("http://capacity.invalid", MockBackend())  # sends nothing
     node.snapshot = EngineSnapshot("vllm", 1, 432_000, 16, 27_000, 0.0, 0, 0, 0, 0, 0)
     core = build_core(Settings(router=router), pool, audit)
     registry, scheduler = core.registry, core.scheduler
@@ -189,11 +190,6 @@ async def scheduler_cost(n: int, calls: int, router: str) -> float:
             drain(receive)  # the records leave, as they do to the writer
         best = min(best, (time.perf_counter() - began) / calls * 1e6)
     return best
-
-
-class _NeverSent:
-    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
-        raise AssertionError("the scheduler alone sends nothing")
 
 
 def ratio(values: list[float], base: list[float]) -> float | None:
