@@ -215,7 +215,9 @@ class Scheduler:
             gate = self._gate_return(program, arrived_at, context_chars)
         # Where the engine was already full when the call came, and until it goes out.
         entered_on, full_s_before = program.backend, self._saturated_s(program.backend)
-        held = False  # whether it was held as one more context (on_call)
+        # Whether it took over the context its program's last ended call left (each call
+        # takes over one at most, when held or when it goes out, whichever comes first).
+        taken = False
         while True:
             # A loop, not an if: between its resume and this task running again, a program
             # could be paused anew by another task's rebalance (the policy avoids it, this
@@ -240,10 +242,10 @@ class Scheduler:
                 continue
             # Another call of it in flight (or held): this one is one more context.
             if program.in_flight or program.held_calls:
-                went = await self._hold(program, arrived_at, context_chars)
+                went = await self._hold(program, arrived_at, context_chars, take_over=not taken)
+                taken = taken or went is not False  # held: it took over one then
                 if went is None:
                     continue
-                held = held or went
             break
         if not program.held_calls:
             self.registry.set_waiting(program, None)
@@ -256,7 +258,7 @@ class Scheduler:
         reuse = program.total_tokens if program.step_count and returned else 0
         busy = node.in_flight + self._held_on(node.url)
         holding = self.source.holding(self.schedule_of(node.url))[0]
-        if program.in_flight and program.ended_contexts and not held:
+        if program.in_flight and program.ended_contexts and not taken:
             # Come as soon as it could, it continues the context a call of it just left.
             program.ended_contexts.pop()
         self.registry.begin_step(program, now, context_chars=context_chars, arrived_at=arrived_at)
@@ -368,11 +370,14 @@ class Scheduler:
         self.registry.set_waiting(program, program.waiting_since or arrived_at)
         return False
 
-    async def _hold(self, program: Program, arrived_at: float, context_chars: int) -> bool | None:
+    async def _hold(
+        self, program: Program, arrived_at: float, context_chars: int, *, take_over: bool
+    ) -> bool | None:
         """A call of a program with calls in flight (or held): False where it may go out now;
         else it is held until the policy finds one more context room (``room_for_call``) or
         its class's bound passes (then it goes regardless: True), and None where the program
-        was paused meanwhile (the caller waits for its resume)."""
+        was paused meanwhile (the caller waits for its resume). Held, it takes over the
+        context its program's last ended call left, where ``take_over`` (not yet done)."""
         now = self._now()
         view = replace(
             self.source.program_view(program),
@@ -382,7 +387,7 @@ class Scheduler:
         if decision is None or decision.action is not Action.QUEUE:
             return False
         self._log(decision, now)
-        if program.ended_contexts:
+        if take_over and program.ended_contexts:
             # It came back: the room its last ended call left was kept for this call, which
             # waits now as a held call and claims room when it goes. Kept as well, each held
             # call's room counted twice: twelve threads of one program held all their calls
