@@ -53,6 +53,8 @@ class FakeBackend(LoopbackBackend):
     headers: list[dict[str, str]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
+    # Set by a test: a stream stops after its first event until this is set.
+    rest_of_stream: trio.Event | None = None
 
 
 def create_backend_app(name: str) -> QuartTrio:
@@ -195,6 +197,8 @@ def create_fake_app(state: FakeBackend) -> QuartTrio:
             try:
                 for i in range(words):
                     await trio.sleep(delay)
+                    if i == 1 and state.rest_of_stream is not None:
+                        await state.rest_of_stream.wait()
                     chunk = {
                         "id": f"chatcmpl-{request_id}",
                         "object": "chat.completion.chunk",

@@ -165,6 +165,28 @@ async def test_a_plain_passthrough_answer_is_relayed_as_it_arrives(
         assert received == b"[" + half + b"," + half + b"]"
 
 
+async def test_a_stream_is_relayed_as_it_arrives(
+    client: httpx.AsyncClient, backend: FakeBackend
+) -> None:
+    """The backend sends its first event, then waits until the client has had it: a proxy that
+    buffered the stream would never deliver it, and the test fails after 10 s instead of
+    hanging. No clock is read, so a busy machine cannot fail it."""
+    backend.rest_of_stream = trio.Event()
+    body = {**CHAT, "stream": True}
+    events: list[bytes] = []
+    with trio.fail_after(10):
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"x-fake-words": "30"}
+        ) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line.encode())
+                    backend.rest_of_stream.set()
+    assert b"w0 " in events[0]
+    assert len(events) == 31  # 30 words and [DONE]
+    assert events[-1] == b"data: [DONE]"
+
+
 async def test_an_empty_tools_list_never_reaches_the_backend(
     client: httpx.AsyncClient, backend: FakeBackend
 ) -> None:
