@@ -15,7 +15,7 @@ from thunderproxy.bench.config import BenchConfig
 from thunderproxy.bench.engine import calibrate
 from thunderproxy.bench.engine import model as engine_model
 from thunderproxy.bench.engine.server import counters_of, engine_argv, gauges_of
-from thunderproxy.bench.report.conformance import agreement, agrees
+from thunderproxy.bench.report.conformance import agreement, agreement_table, agrees
 from thunderproxy.bench.workloads.prompts import Conversation, Vocabulary, system_prompt
 from thunderproxy.bench.workloads.workload import StepSpec
 from thunderproxy.errors import ConfigError
@@ -164,6 +164,32 @@ def test_agreement_needs_every_bound_and_the_same_verdict() -> None:
     assert agrees(agreement(level))
     behind = [*level[:3], summary("sim", "tr", 32.8, 0.889, 0)]  # 0.974: behind
     assert agreement(behind)[-1].agrees is False
+
+
+def test_an_engines_repeated_runs_are_compared_by_their_mean() -> None:
+    # Seed 2's two engine runs of the SWE-agent replay: tr/default 1.47 and 1.89 alone, 1.69
+    # on the means; the simulator's 1.47 agrees with the first run and not with the second.
+    sim = [summary("sim", "default", 12.7, 0.250, 2), summary("sim", "tr", 18.6, 0.668, 3)]
+    first = [summary("engine", "default", 12.5, 0.246, 3), summary("engine", "tr", 18.5, 0.633, 0)]
+    second = [summary("engine", "default", 13.3, 0.267, 2), summary("engine", "tr", 25.1, 0.828, 0)]
+    assert agrees(agreement([*first, *sim]))
+    assert not agrees(agreement([*second, *sim]))
+    rows = {row.figure: row for row in agreement([*first, *second, *sim])}
+    assert rows["default steps/min"].engine == pytest.approx(12.9)
+    assert rows["tr prefix hit rate"].engine == pytest.approx(0.7305)
+    assert rows["tr preemptions"].engine == 0
+    assert rows["tr / default steps/min"].engine == pytest.approx(21.8 / 12.9)
+    assert rows["tr / default steps/min"].agrees is False  # 1.69 against 1.47: 13% apart
+    assert "engine (mean of 2 runs)" in agreement_table([*first, *second, *sim])
+    assert "mean of" not in agreement_table([*first, *sim])
+
+
+def test_only_real_time_runs_repeat() -> None:
+    with pytest.raises(ConfigError, match="repeats itself to the digit"):
+        BenchConfig(virtual=True, repeat=2)
+    with pytest.raises(ConfigError, match="--repeat must be >= 1"):
+        BenchConfig(repeat=0)
+    assert BenchConfig(engine="vllm-cpu", conformance=True, repeat=3).on_simulator().repeat == 1
 
 
 def test_a_real_engine_takes_the_targets_it_can_serve() -> None:

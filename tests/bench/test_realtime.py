@@ -52,6 +52,20 @@ def test_virtual_and_real_time_runs_agree_within_ten_percent(tmp_path: Path) -> 
     assert steps == 30
 
 
+def test_repeated_runs_come_in_rounds_each_target_once_a_round(tmp_path: Path) -> None:
+    trace = write_thunderagent(tmp_path / "calls.jsonl", programs=2, steps=2)
+    config = BenchConfig(trace=str(trace), targets=("direct", "default"), concurrency=2,
+                         kv_tokens=9_000, time_scale=0.05, repeat=2)  # fmt: skip
+    report = run_bench(config, db=str(tmp_path / "r.db"))
+    assert [r.label for r in report.results] == ["direct #1", "default #1", "direct #2",
+                                                 "default #2"]  # fmt: skip
+    assert all(r.figures["programs_completed"] == 2 for r in report.results)
+    conn = sqlite3.connect(tmp_path / "r.db")
+    runs = conn.execute("select target, json_extract(figures, '$.run') from bench_results")
+    assert runs.fetchall() == [("direct", 1), ("default", 1), ("direct", 2), ("default", 2)]
+    conn.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

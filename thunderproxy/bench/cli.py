@@ -122,6 +122,10 @@ def _progress_factory(enabled: bool | None) -> Any:
               help="With --engine or --engine-url: replay the same targets on the simulator "
               "too (virtual time, the engine's settings and timing profile) and print how "
               "far the two agree.")  # fmt: skip
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Real time: replay every target this many times, in rounds (each target "
+              "once a round). Under KV pressure one engine run is one draw of which prompts "
+              "it evicts; --conformance compares the mean of the runs.")  # fmt: skip
 @click.option("--calibrate", "calibrate_path", default=None, metavar="FILE",
               help="With --engine or --engine-url: measure the engine's prefill and decode "
               "step times instead of replaying, fit the simulator's timing formula to them "
@@ -250,6 +254,7 @@ def bench_command(
     engine: str | None,
     engine_url: str | None,
     conformance: bool,
+    repeat: int,
     calibrate_path: str | None,
     seed: int,
     arrivals: str | None,
@@ -294,7 +299,7 @@ def bench_command(
       thunderproxy bench --trace mooncake --virtual --programs 600 --target direct,tr
       thunderproxy bench --target http://127.0.0.1:9000 --backend-ports 8001
       thunderproxy bench --engine vllm-cpu --programs 8 --max-steps 10 --concurrency 8 \\
-          --kv-tokens 40960 --target default,tr --conformance
+          --kv-tokens 40960 --target default,tr --conformance --repeat 3
       thunderproxy bench --engine-url http://gpu-box:8000 --target default,tr
       thunderproxy bench --engine vllm-cpu --calibrate vllm-cpu-tiny.json
       thunderproxy bench --suite ci --json suite.json
@@ -339,6 +344,7 @@ def bench_command(
             engine=engine,
             engine_url=engine_url,
             conformance=conformance,
+            repeat=repeat,
         )
         if calibrate_path:
             _calibrate(config, calibrate_path)

@@ -204,6 +204,10 @@ class BenchConfig:
     #: With an engine: replay the same targets on the simulator too (virtual time, the same
     #: settings and timing profile) and compare the two.
     conformance: bool = False
+    #: Real time: replay every target this many times, in rounds (each target once a round).
+    #: Under KV pressure which prompts an engine evicts turns on each call's arrival to the
+    #: millisecond, so one run's figures are one draw; ``--conformance`` compares their mean.
+    repeat: int = 1
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and self.concurrency < 0:
@@ -218,6 +222,13 @@ class BenchConfig:
             raise ConfigError(
                 "--carry-answer is the fraction of each answer's tokens the next prompt "
                 "carries: a number in [0, 1]."
+            )
+        if self.repeat < 1:
+            raise ConfigError("--repeat must be >= 1.")
+        if self.repeat > 1 and self.virtual:
+            raise ConfigError(
+                "--repeat replays in real time again; a virtual-time run repeats itself to "
+                "the digit: drop --repeat or --virtual."
             )
         if self.time_scale <= 0:
             raise ConfigError("--time-scale must be > 0.")
@@ -354,7 +365,7 @@ class BenchConfig:
         """The same run on the simulator, in virtual time: what ``--conformance`` compares
         the engine with."""
         return dataclasses.replace(
-            self, virtual=True, engine=None, engine_url=None, conformance=False
+            self, virtual=True, engine=None, engine_url=None, conformance=False, repeat=1
         )
 
     def describe(self) -> dict[str, Any]:

@@ -4,7 +4,10 @@
 simulator (virtual time, the engine's settings and the timing profile fitted to it). A figure
 agrees when it is within its bound below; the verdict (tr behind default on steps per minute
 by the scheduling suite's rule, or not) must be the same on both sides, since that is what a
-scheduling change is judged by.
+scheduling change is judged by. With ``--repeat`` the engine's side is the mean of its runs
+(tr/default the ratio of the means): one run under KV pressure is one draw of which prompts
+the engine evicts, and its tr/default has moved by more than the ratio's bound between two
+runs of the same replay, while the simulator's virtual time repeats itself to the digit.
 """
 
 from __future__ import annotations
@@ -46,13 +49,41 @@ def _fmt(value: float | None) -> str:
     return f"{value:.3f}" if abs(value) < 1 else f"{value:.2f}"
 
 
+#: The figures compared, averaged over an engine's repeated runs.
+COMPARED = ("steps_per_min", "prefix_hit_rate", "preemptions", "program_time_p99_s")
+
+
 def _by_side(summaries: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Mapping[str, Any]]]:
-    sides: dict[str, dict[str, Mapping[str, Any]]] = {"engine": {}, "sim": {}}
+    """Each side's figures per target; a target run several times on a side is their mean."""
+    runs: dict[str, dict[str, list[Mapping[str, Any]]]] = {"engine": {}, "sim": {}}
     for summary in summaries:
         side = summary.get("side")
-        if side in sides:
-            sides[side][str(summary["target"])] = summary
-    return sides
+        if side in runs:
+            runs[side].setdefault(str(summary["target"]), []).append(summary)
+    return {
+        side: {target: _mean(of) for target, of in targets.items()}
+        for side, targets in runs.items()
+    }
+
+
+def _mean(summaries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    if len(summaries) == 1:
+        return summaries[0]
+    mean: dict[str, Any] = {"runs": len(summaries)}
+    for key in COMPARED:
+        values = [float(s[key]) for s in summaries if s.get(key) is not None]
+        mean[key] = sum(values) / len(values) if values else None
+    return mean
+
+
+def engine_runs(summaries: Sequence[Mapping[str, Any]]) -> int:
+    """How many runs of each target the engine's side averages (the fewest of any target)."""
+    counts: dict[str, int] = {}
+    for summary in summaries:
+        if summary.get("side") == "engine":
+            target = str(summary["target"])
+            counts[target] = counts.get(target, 0) + 1
+    return min(counts.values(), default=0)
 
 
 def _num(summary: Mapping[str, Any] | None, key: str) -> float | None:
@@ -113,7 +144,9 @@ def agrees(rows: Sequence[Row]) -> bool:
 
 def agreement_table(summaries: Sequence[Mapping[str, Any]]) -> str:
     rows = agreement(summaries)
-    table = [["engine vs simulator", "engine", "simulator", "agrees"]]
+    runs = engine_runs(summaries)
+    engine = f"engine (mean of {runs} runs)" if runs > 1 else "engine"
+    table = [["engine vs simulator", engine, "simulator", "agrees"]]
     table += [row.cells() for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(4)]
     lines = []

@@ -3,6 +3,7 @@ the virtual clock or in real time; the report it returns is what the CLI prints 
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -242,14 +243,18 @@ async def _real_time(
             else:
                 fleet = realtime.SimFleet(nursery, client, workload, config)
             session = realtime.Session(nursery, client, workload, config, db=audit_db, fleet=fleet)
+            # In rounds, each target once a round: a slow stretch of the machine then falls
+            # on every target alike rather than on one target's runs.
+            rounds = range(1, config.repeat + 1) if config.repeat > 1 else (0,)
             try:
                 await session.start()
-                for concurrency in concurrencies:
+                for run, concurrency in itertools.product(rounds, concurrencies):
                     for target in config.targets:
-                        shown = bar(target, concurrency)
+                        shown = bar(f"{target} #{run}" if run else target, concurrency)
                         result = await session.run_target(
                             target, concurrency=concurrency, progress=shown
                         )
+                        result.run = run
                         if shown is not None:
                             shown.close(result.log)
                         finished(result)

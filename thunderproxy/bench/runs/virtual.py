@@ -63,12 +63,15 @@ class TargetResult:
     wall_s: float = 0.0
     #: What served the target when a run compares two: "engine" or "sim" ("" otherwise).
     side: str = ""
+    #: Which of ``--repeat``'s rounds it is (0: the only one).
+    run: int = 0
 
     def summary(self) -> dict[str, Any]:
         return {
             "target": self.target,
             "label": self.label,
             "side": self.side,
+            "run": self.run,
             "concurrency": self.concurrency,
             "kv_tokens": self.kv_tokens,
             "clock": self.clock,
@@ -79,7 +82,8 @@ class TargetResult:
 
     @property
     def label(self) -> str:
-        return f"{self.target} ({self.side})" if self.side else self.target
+        label = f"{self.target} ({self.side})" if self.side else self.target
+        return f"{label} #{self.run}" if self.run else label
 
 
 def backend_urls(n: int) -> list[str]:
