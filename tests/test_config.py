@@ -522,7 +522,10 @@ async def test_secrets_in_any_url_setting_are_not_stored_in_runs_settings(tmp_pa
     public = load_settings(council_search_url=url).public()
     assert public["council_search_url"] == "https://search.example/api?key=<redacted>&q=<redacted>"
     db = tmp_path / "audit.db"
-    async with running_proxy(db, backends="http://127.0.0.1:9", council_search_url=url):
+    # Nothing listens on port 9: serve at once rather than wait ready_timeout for it.
+    async with running_proxy(
+        db, backends="http://127.0.0.1:9", council_search_url=url, ready_timeout=0
+    ):
         pass
     (row,) = query(db, "SELECT settings FROM runs")
     assert "TOPSECRET" not in row["settings"]
