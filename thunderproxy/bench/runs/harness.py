@@ -67,7 +67,7 @@ class BenchReport:
         for r in self.results:
             summary = r.summary()
             if sweep:
-                summary["label"] = f"{r.target}@{r.concurrency}"
+                summary["label"] = f"{r.label}@{r.concurrency}"
             out.append(summary)
         return out
 
