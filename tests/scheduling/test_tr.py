@@ -154,6 +154,25 @@ def test_aging_head_reserves_capacity_and_max_wait_forces_resume() -> None:
     assert late[0].waited_s == 100.0
 
 
+def test_a_long_running_programs_call_waits_a_share_of_its_run_up_to_five_bounds() -> None:
+    # 800 s into its run, a batch call may wait a quarter of that, 200 s, not max_wait's 100.
+    old = prog("old", P, 9_000, created_at=0.0, waiting_since=800.0, paused_since=800.0)
+    running = prog("running", R, 5_000)
+    assert tr.bound(old, CFG) == 200.0
+    assert tr.resume([backend(10_000)], [old, running], CFG, now=900.0) == []
+    late = tr.resume([backend(10_000)], [old, running], CFG, now=1_000.0)
+    assert [(d.action, d.rule) for d in late] == [(Action.FORCE_RESUME, "max_wait")]
+    # Room is made for it at half of its own bound, not at half of max_wait.
+    assert not tr.urgent(old, CFG, now=899.0)
+    assert tr.urgent(old, CFG, now=900.0)
+    # Never past five times max_wait; young programs, interactive ones and a share of 0 keep
+    # their class's bound.
+    assert tr.call_bound("batch", 0.0, 10_000.0, CFG) == 500.0
+    assert tr.call_bound("batch", 0.0, 300.0, CFG) == 100.0
+    assert tr.call_bound("interactive", 0.0, 10_000.0, CFG) == CFG.interactive_max_wait_s
+    assert tr.call_bound("batch", 0.0, 800.0, replace(CFG, max_wait_share=0.0)) == 100.0
+
+
 def test_a_protected_program_is_not_paused_again() -> None:
     programs = [
         prog("forced", A, 9_000, acting_since=0.0, protected_until=130.0),

@@ -201,6 +201,14 @@ class PolicyConfig:
         "resumed, capacity or not.",
         flag="--max-wait",
     )
+    max_wait_share: float = setting(
+        0.25,
+        "tr: a batch call of a program long under way may wait this share of the program's run "
+        "so far where that is longer than --max-wait, up to five times --max-wait (0: every "
+        "batch call waits at most --max-wait).",
+        flag="--max-wait-share",
+        check=lambda v: None if 0 <= v <= 1 else "must be a share between 0 and 1",
+    )
     interactive_max_wait_s: float = setting(
         3.0 * SECONDS,
         "tr: the longest a call of an interactive program waits for capacity (batch programs "

@@ -22,11 +22,11 @@ from ..backends import BackendNode, BackendPool, Route
 from ..errors import ModelNotFound, NoBackendAvailable, ProgramReleased, QueueFull
 from ..programs import Program, ProgramRegistry, ProgramStatus, StepUsage
 from . import claims as shared_claims
-from .classes import INTERACTIVE, resolve
+from .classes import resolve
 from .costs import horizon_s
 from .learners import PromptSizer, program_estimate
 from .policies import Policy, Views
-from .tr import MAX_KEEP_S, Action, Decision, PolicyConfig, ProgramView, used_tokens
+from .tr import MAX_KEEP_S, Action, Decision, PolicyConfig, ProgramView, call_bound, used_tokens
 from .tr import force_resume as policy_force_resume
 from .views import BackendSchedule, ViewSource
 from .waiters import Waiters
@@ -399,9 +399,7 @@ class Scheduler:
         self.source.held.add(program_id)
         if program.waiting_since is None:
             self.registry.set_waiting(program, arrived_at)
-        bound = self.config.max_wait_s
-        if program.program_class == INTERACTIVE:
-            bound = self.config.interactive_max_wait_s
+        bound = call_bound(program.program_class, program.created_at, arrived_at, self.config)
         try:
             with trio.move_on_at(arrived_at + bound):
                 await waiter.wait()
@@ -568,9 +566,7 @@ class Scheduler:
         waiter = self._waiters.add(program.program_id)
         self.rebalance(self._now())
         since = program.waiting_since if program.waiting_since is not None else arrived_at
-        bound = self.config.max_wait_s
-        if program.program_class == INTERACTIVE:
-            bound = self.config.interactive_max_wait_s
+        bound = call_bound(program.program_class, program.created_at, since, self.config)
         try:
             # The bound is kept by the waiting request itself, at its own deadline, not by
             # the resume monitor's next tick.

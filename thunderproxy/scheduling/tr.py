@@ -223,9 +223,33 @@ def interactive(p: ProgramView) -> bool:
     return p.program_class == INTERACTIVE
 
 
+#: A batch call's bound grows with its program's run up to this many times ``max_wait_s``.
+LONG_RUN_BOUND_FACTOR = 5.0
+
+
 def bound(p: ProgramView, cfg: PolicyConfig) -> float:
     """The longest ``p``'s call waits in the proxy: its class's bound (classes.py)."""
-    return cfg.interactive_max_wait_s if interactive(p) else cfg.max_wait_s
+    since = p.waiting_since if p.waiting_since is not None else p.created_at
+    return call_bound(p.program_class, p.created_at, since, cfg)
+
+
+def call_bound(program_class: str | None, created_at: float, since: float,
+               cfg: PolicyConfig) -> float:  # fmt: skip
+    """The longest a call that began waiting at ``since`` waits, for a program of
+    ``program_class`` that began at ``created_at``. An interactive call: its class's bound. A
+    batch call: ``max_wait_s``, or ``max_wait_share`` of its program's run so far where that
+    is longer, up to ``LONG_RUN_BOUND_FACTOR`` times ``max_wait_s``. A wait is what a program's
+    run is made longer by, and 120 s is half the run of a program of a dozen calls but a
+    twentieth of an SWE-agent's: with one bound for both, the long programs' calls were forced
+    out at it and evicted what the programs that ran had cached (SWE-agent, 64 agents, 432K:
+    977 pauses, a prefix hit rate of 0.43, 0.71 of the free-reload bound's steps/min). A 300 s
+    bound for every call made that 0.87 and the short programs' p99 program time 1.26x
+    default's; a quarter of each program's run makes it 0.875 and leaves programs younger
+    than eight minutes, the short ones among them, at 120 s (docs/BENCHMARKS.md)."""
+    if program_class == INTERACTIVE:
+        return cfg.interactive_max_wait_s
+    share = cfg.max_wait_share * max(0.0, since - created_at)
+    return min(LONG_RUN_BOUND_FACTOR * cfg.max_wait_s, max(cfg.max_wait_s, share))
 
 
 def urgent(p: ProgramView, cfg: PolicyConfig, now: float) -> bool:
@@ -234,7 +258,7 @@ def urgent(p: ProgramView, cfg: PolicyConfig, now: float) -> bool:
     seconds: room that happens to free itself within them would be luck)."""
     if p.waiting_since is None:
         return False
-    return interactive(p) or now - p.waiting_since >= cfg.max_wait_s / 2
+    return interactive(p) or now - p.waiting_since >= bound(p, cfg) / 2
 
 
 def rank(p: ProgramView, cfg: PolicyConfig, now: float, use: int = 0) -> tuple[bool, int, float]:
