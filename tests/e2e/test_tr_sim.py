@@ -55,6 +55,8 @@ async def replay(db: Path, router: str) -> list[dict[str, Any]]:
             # assertions on kept caches below need.
             idle_claims="decay",
             max_wait=MAX_WAIT,
+            # Every call at MAX_WAIT, however long its program has run: the bound asserted below.
+            max_wait_share=0.0,
             # The tail's times in the same proportions to these as their defaults.
             admission_half_life=6.0,
             mid_program_head_start=MAX_WAIT / 2,

@@ -200,6 +200,7 @@ async def run_scenario(db: Path) -> History:
                 router="tr",
                 return_evidence=False,  # tr holds epsilon, though few programs came back
                 max_wait=MAX_WAIT_S,
+                max_wait_share=0.0,  # forced through at MAX_WAIT_S, whatever the program's age
                 monitor_interval=0.05,
                 metrics_interval=0.2,
                 datasette=False,
