@@ -78,12 +78,8 @@ def _mean(summaries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
 
 def engine_runs(summaries: Sequence[Mapping[str, Any]]) -> int:
     """How many runs of each target the engine's side averages (the fewest of any target)."""
-    counts: dict[str, int] = {}
-    for summary in summaries:
-        if summary.get("side") == "engine":
-            target = str(summary["target"])
-            counts[target] = counts.get(target, 0) + 1
-    return min(counts.values(), default=0)
+    engine = _by_side(summaries)["engine"].values()
+    return min((int(s.get("runs", 1)) for s in engine), default=0)
 
 
 def _num(summary: Mapping[str, Any] | None, key: str) -> float | None:
