@@ -37,9 +37,11 @@ from thunderproxy.programs import ProgramStatus, Transition
 TOOL_S = 0.15
 PAUSE_AFTER_S = 0.02
 PAUSE_S = 0.25
-BETA_WORDS = 4
-BETA_DELAY_S = 0.05
-MAX_WAIT_S = 0.5
+# Margins wide enough for a busy CI core: beta's decode (9 gaps of 0.1 s) outweighs its
+# time to first token by 0.8 s, and epsilon's forced wait outlasts any other whole step.
+BETA_WORDS = 10
+BETA_DELAY_S = 0.1
+MAX_WAIT_S = 2.0
 GAP_S = 0.4
 #: The fake backend's KV capacity: 1000 blocks of 16 tokens.
 CAPACITY = 16000

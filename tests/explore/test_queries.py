@@ -65,7 +65,9 @@ def test_throughput(history: History) -> None:
     assert sum(r["failed_steps"] for r in rows) == 1
     assert sum(r["client_gone_steps"] for r in rows) == 1
     tokens = raw(history.db, "select sum(completion_tokens) as n from steps where status < 400")
-    assert sum(r["completion_tokens"] for r in rows) == tokens[0]["n"] == 43
+    # 5 words for each ok call but beta's (alpha 3, gamma 2, delta 1, epsilon 1)
+    expected = 7 * 5 + 2 * scenario.BETA_WORDS
+    assert sum(r["completion_tokens"] for r in rows) == tokens[0]["n"] == expected
     # alpha's pause and epsilon's queueing (it is created paused)
     assert sum(r["pauses"] for r in rows) == 2
     size = default_bucket(history.db)
