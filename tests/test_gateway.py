@@ -162,6 +162,23 @@ async def test_an_error_event_starts_an_event_of_its_own_after_short_pieces(
     assert chunks[-1].startswith(b"data: ")
 
 
+async def test_bytes_after_a_whole_answer_go_out_as_they_came_when_the_connection_is_lost(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # [DONE] passed, then the start of an event that never ends, then silence past the read
+    # timeout: the answer was whole, so the lost connection is no fault, and the trailing bytes
+    # the tap held (a partial event) are relayed as they came, as at a clean end.
+    caplog.set_level(logging.INFO, logger="thunderproxy.gateway")
+    trailing = b'data: {"never": "ended'
+    r = rig(ScriptedBackend(chunks=[*EVENTS, trailing, 1000.0]), read_timeout=30.0)
+    async with r.gateway.call(call()) as exchange:
+        relayed = b"".join([chunk async for chunk in exchange.stream()])
+    assert relayed == b"".join(EVENTS) + trailing
+    (step,) = r.records(StepRecord)
+    assert (step.status, step.error) == (200, None)
+    assert not [rec for rec in caplog.records if rec.name == "thunderproxy.gateway"]
+
+
 async def test_a_call_cut_mid_answer_is_one_warning_naming_backend_program_and_bytes(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -282,7 +282,12 @@ class Exchange:
                     error = exc
                 if error is not None:
                     if tap.complete:
-                        return  # the answer was whole: a connection lost after it is no fault
+                        # The answer was whole: a connection lost after it is no fault, and
+                        # what trailed it goes out as it came, as at a clean end.
+                        tail = tap.flush()
+                        if tail:
+                            yield tail
+                        return
                     self._take_usage(tap)
                     self.finish(describe(error)[0], error=error.message)
                     self._log_cut(relayed, error)
