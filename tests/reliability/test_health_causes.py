@@ -148,6 +148,17 @@ async def test_a_stopped_explorer(tmp_path: Path, backend: FakeBackend) -> None:
         )
 
 
+async def keep_asking(client: httpx.AsyncClient, seconds: float, backend: str) -> None:
+    """Ask /health twice a second for ``seconds``, each time finding ``backend`` healthy. The
+    asking keeps the client's one connection busy: left idle past Hypercorn's 2 s idle timeout
+    it is closed, and a request sent as it closes fails (while the proxy is out of descriptors,
+    a new connection waits behind the queued idle ones)."""
+    end = trio.current_time() + seconds
+    while trio.current_time() < end:
+        assert (await health(client))["healthy_backends"] == [backend]
+        await trio.sleep(0.5)
+
+
 @pytest.mark.parametrize("front", ["fast", "hypercorn"])
 async def test_out_of_descriptors(tmp_path: Path, backend: FakeBackend, front: str) -> None:
     argv = [sys.executable, "-m", "thunderproxy", "serve", "--port", "0", "--no-datasette"]
@@ -187,14 +198,14 @@ async def test_out_of_descriptors(tmp_path: Path, backend: FakeBackend, front: s
             refused = await client.post("/v1/chat/completions", json=CHAT)
             assert refused.status_code == 503, refused.text
             assert "out of file descriptors" in refused.json()["error"]["message"]
-            await trio.sleep(3)  # the accept loop retries every 0.1 s meanwhile
-            assert (await health(client))["healthy_backends"] == [backend.url]
+            # The accept loop retries every 0.1 s meanwhile; no backend is marked for it.
+            await keep_asking(client, 3.0, backend.url)
             for sock in idle:
                 sock.close()
             idle.clear()
             closed_at = trio.current_time()
             if front == "hypercorn":
-                await trio.sleep(2)  # the idle timeout: the cause goes only then
+                await keep_asking(client, 2.0, backend.url)  # the cause goes only then
                 closed_at = trio.current_time()
             to_ok = await seconds_until(client, "ok", closed_at)
             served = await client.post("/v1/chat/completions", json=CHAT)
