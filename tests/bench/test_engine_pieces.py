@@ -184,6 +184,32 @@ def test_an_engines_repeated_runs_are_compared_by_their_mean() -> None:
     assert "mean of" not in agreement_table([*first, *sim])
 
 
+def test_other_work_beside_the_engine_is_shown_and_named_not_judged() -> None:
+    # The demo's workload on the engine: its tr arm ran beside two suites of the simulator.
+    runs = [
+        {**summary("engine", "default", 9.61, 0.258, 16), "other_cpu_cores": 0.04},
+        {**summary("engine", "tr", 9.52, 0.376, 8), "other_cpu_cores": 1.62, "label": "tr #2"},
+        summary("sim", "default", 9.8, 0.25, 15), summary("sim", "tr", 9.75, 0.38, 9),
+    ]  # fmt: skip
+    rows = {row.figure: row for row in agreement(runs)}
+    shown = rows["tr other processes' CPU (cores)"]
+    assert (shown.engine, shown.sim, shown.agrees) == (1.62, None, None)
+    assert agrees(agreement(runs))  # shown, not judged
+    table = agreement_table(runs)
+    assert "not a quiet machine: other processes used tr #2 1.62 cores beside" in table
+    assert "default 0.04" not in table.splitlines()[-1]  # under the bound: not named
+    quiet = [{**r, "other_cpu_cores": 0.1} for r in runs]
+    assert "not a quiet machine" not in agreement_table(quiet)
+    # Repeated runs average it with the rest.
+    again = [{**runs[0], "other_cpu_cores": 0.5}, *runs]
+    assert {r.figure: r for r in agreement(again)}[
+        "default other processes' CPU (cores)"
+    ].engine == pytest.approx(0.27)
+    # Not measured (not Linux): no row and no note.
+    bare = [summary("engine", "default", 9.6, 0.26, 16), *runs[1:]]
+    assert "default other processes' CPU (cores)" not in {r.figure for r in agreement(bare)}
+
+
 def test_only_real_time_runs_repeat() -> None:
     with pytest.raises(ConfigError, match="repeats itself to the digit"):
         BenchConfig(virtual=True, repeat=2)

@@ -9,8 +9,8 @@ import pytest
 
 from thunderproxy.audit.writer import open_database
 from thunderproxy.bench.config import BenchConfig
+from thunderproxy.bench.runs.machine import cpu_seconds_of
 from thunderproxy.bench.runs.realtime import (
-    cpu_seconds_of,
     proxy_run_figures,
     serve_argv,
     sim_argv,

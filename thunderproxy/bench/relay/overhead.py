@@ -34,11 +34,11 @@ from ...config import load_settings
 from ...errors import ConfigError
 from ..agents.agent import BenchError
 from ..report import figures
+from ..runs.machine import process_cpu_seconds
 from ..runs.realtime import (
     PROXY_LISTENING,
     SIM_LISTENING,
     Child,
-    process_cpu_seconds,
     serve_argv,
     start_child,
     stop_child,

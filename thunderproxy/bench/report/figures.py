@@ -73,6 +73,11 @@ KEYS: tuple[tuple[str, str, str], ...] = (
     ("batch_ttft_later_p99_s", "batch programs' later calls: TTFT, p99", "{:.2f}"),
     ("batch_wait_max_s", "the longest a batch program's call waited in the proxy", "{:.2f}"),
     ("errors", "failed call attempts", "{:d}"),
+    (
+        "other_cpu_cores",
+        "CPU cores other processes used beside the bench meanwhile (real time)",
+        "{:.2f}",
+    ),
     ("duration_s", "first arrival to last token", "{:.0f}"),
 )
 

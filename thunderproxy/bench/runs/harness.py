@@ -98,7 +98,10 @@ class BenchReport:
             at = keys.index("ttft_p99_s") + 1
             keys = (*keys[:at], *(k for k, _, _ in figures.KEYS if k.startswith(figures.CLASSES)),
                     *keys[at:])  # fmt: skip
-        return figures.table(self.summaries(), keys=keys)
+        summaries = self.summaries()
+        if any(s.get("other_cpu_cores") is not None for s in summaries):
+            keys = (*keys, "other_cpu_cores")  # real time: how quiet the machine was
+        return figures.table(summaries, keys=keys)
 
     def has_cpu_tier(self) -> bool:
         config = self.config

@@ -41,7 +41,8 @@ from ..engine.server import Echo, EngineServer, Gauges
 from ..report import figures
 from ..workloads.prompts import Vocabulary
 from ..workloads.workload import Workload
-from . import store
+from . import machine, store
+from .machine import process_cpu_seconds
 from .virtual import TargetResult
 
 SIM_LISTENING = re.compile(rb" on (http://[^;\s]+);")
@@ -108,21 +109,6 @@ def serve_argv(settings: Settings) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
-
-
-def cpu_seconds_of(stat: str, ticks_per_s: int) -> float:
-    """User + system CPU seconds from a /proc/<pid>/stat line (pure)."""
-    # The command name (field 2) may hold spaces or parentheses: count from the last ")".
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / ticks_per_s
-
-
-def process_cpu_seconds(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return cpu_seconds_of(fh.read(), os.sysconf("SC_CLK_TCK"))
-    except OSError:
-        return None  # not Linux, or the process is gone
 
 
 async def _keep_reading(child: Child) -> None:
@@ -498,11 +484,13 @@ class Session:
         agents = Agents(self.workload, transport, schedule, time_scale=scale, progress=progress)
         await fleet.begin()
         cpu_before = None if proxy is None else process_cpu_seconds(proxy.pid)
+        machine_before = machine.sample(trio.current_time())
         wall = time.perf_counter()
         try:
             log = await agents.run()
         finally:
             wall = time.perf_counter() - wall
+            machine_after = machine.sample(trio.current_time())
             cpu = None
             if proxy is not None:
                 after = process_cpu_seconds(proxy.pid)
@@ -532,6 +520,13 @@ class Session:
                     classes=self.config.program_classes(self.workload),
                 ),
                 **engine_figures,
+                "other_cpu_cores": (
+                    None
+                    if machine_before is None or machine_after is None
+                    else machine.other_cores(
+                        machine_before, machine_after, machine.ticks_per_second()
+                    )
+                ),
             },
             log=log,
             truth=totals,
