@@ -52,6 +52,31 @@ def test_virtual_and_real_time_runs_agree_within_ten_percent(tmp_path: Path) -> 
     assert steps == 30
 
 
+def test_a_real_time_arm_records_the_cpu_other_processes_used_beside_it(tmp_path: Path) -> None:
+    # A busy loop outside the bench's process tree: started from a shell that exits at once,
+    # so that it is nobody's child here (the bench's own simulators and proxies are, and are
+    # not counted). It stops by itself after 60 s, and is killed at the end.
+    started = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c 'import time\nend = time.time() + 60\n"
+         "while time.time() < end: pass' >/dev/null 2>&1 & echo $!"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    burner = int(started.stdout.strip())
+    try:
+        trace = write_thunderagent(tmp_path / "calls.jsonl", programs=3, steps=3)
+        config = BenchConfig(trace=str(trace), targets=("default",), concurrency=3,
+                             kv_tokens=9_000, time_scale=0.25)  # fmt: skip
+        report = run_bench(config)
+    finally:
+        subprocess.run(["kill", str(burner)], check=False)
+    (result,) = report.results
+    other = result.figures["other_cpu_cores"]
+    assert other is not None
+    # The loop had a core's worth to take; on a busy machine it gets less of one.
+    assert other > 0.3, other
+    assert "other_cpu_cores" in report.table()  # shown, as real time measures it
+
+
 def test_repeated_runs_come_in_rounds_each_target_once_a_round(tmp_path: Path) -> None:
     trace = write_thunderagent(tmp_path / "calls.jsonl", programs=2, steps=2)
     config = BenchConfig(trace=str(trace), targets=("direct", "default"), concurrency=2,
