@@ -55,8 +55,9 @@ COMPARED = ("steps_per_min", "prefix_hit_rate", "preemptions", "program_time_p99
 AVERAGED = (*COMPARED, "other_cpu_cores")
 #: Other processes' CPU (cores) beside an engine arm past which its timings are the machine's
 #: as much as the engine's: the CPU build computes on one core, and measured on the demo's
-#: workload it ran at 0.93 of its profile's speed beside about one busy core and at 0.83
-#: beside two or more (``docs/SIMULATOR.md``, "Replay conformance").
+#: workload it ran at 1.00 of its profile's speed alone, 0.93 beside about two virtual
+#: replays at the lowest priority and 0.83 beside three or four (``docs/SIMULATOR.md``,
+#: "Replay conformance").
 QUIET_CORES = 0.25
 
 
