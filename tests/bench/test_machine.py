@@ -30,6 +30,8 @@ def test_a_process_line_gives_its_own_cpu_seconds() -> None:
     assert cpu_seconds_of(stat(7, 1, 300, 100, 50, 50), 100) == pytest.approx(4.0)
     # A command name with spaces and parentheses does not shift the fields.
     assert cpu_seconds_of(stat(7, 1, 300, 100, name="a) (b"), 100) == pytest.approx(4.0)
+    line = "4242 (python3 -m (x)) S 1 2 3 4 5 6 7 8 9 10 250 150 0 0 20 0 1 0 100"
+    assert cpu_seconds_of(line, 100) == pytest.approx(4.0)
 
 
 def test_the_machines_busy_time_leaves_out_idle_and_iowait() -> None:
@@ -59,6 +61,7 @@ def test_other_cores_are_the_machines_time_less_the_trees_per_second() -> None:
     # Ticks counted a little apart can make the tree outrun the machine: never below 0.
     assert other_cores(before, CpuSample(110.0, 10_900, 5_000), 100) == 0.0
     assert other_cores(before, before, 100) == 0.0
+    assert other_cores(None, after, 100) is None  # not measured (no /proc)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

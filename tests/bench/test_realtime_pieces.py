@@ -1,15 +1,13 @@
-"""The pure parts of real-time runs: child command lines, /proc parsing, proxy run lookup."""
+"""The pure parts of real-time runs: child command lines, proxy run lookup (the /proc parsing
+is tests/bench/test_machine.py's)."""
 
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
 
-import pytest
-
 from thunderproxy.audit.writer import open_database
 from thunderproxy.bench.config import BenchConfig
-from thunderproxy.bench.runs.machine import cpu_seconds_of
 from thunderproxy.bench.runs.realtime import (
     proxy_run_figures,
     serve_argv,
@@ -38,11 +36,6 @@ def test_proxy_flags_carry_the_scaled_settings() -> None:
     assert argv[argv.index("--pause-cooldown") + 1] == "0.5"
     assert argv[argv.index("--port") + 1] == "0"
     assert "--no-restore" in argv
-
-
-def test_cpu_seconds_from_proc_stat() -> None:
-    stat = "4242 (python3 -m (x)) S 1 2 3 4 5 6 7 8 9 10 250 150 0 0 20 0 1 0 100"
-    assert cpu_seconds_of(stat, 100) == pytest.approx(4.0)
 
 
 def test_the_bench_proxy_run_is_found_after_the_runs_before_it(tmp_path: Path) -> None:

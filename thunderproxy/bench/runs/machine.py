@@ -33,7 +33,7 @@ def cpu_seconds_of(stat: str, ticks_per_s: int) -> float:
 def process_cpu_seconds(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return cpu_seconds_of(fh.read(), os.sysconf("SC_CLK_TCK"))
+            return cpu_seconds_of(fh.read(), ticks_per_second())
     except OSError:
         return None  # not Linux, or the process is gone
 
@@ -84,8 +84,14 @@ class CpuSample:
     tree: int
 
 
-def other_cores(before: CpuSample, after: CpuSample, ticks_per_s: int) -> float:
-    """CPU seconds per second used outside the bench's tree between two samples (pure)."""
+def other_cores(
+    before: CpuSample | None, after: CpuSample | None, ticks_per_s: int | None = None
+) -> float | None:
+    """CPU seconds per second used outside the bench's tree between two samples (pure given
+    ``ticks_per_s``; this machine's by default); None where either was not measured."""
+    if before is None or after is None:
+        return None
+    ticks_per_s = ticks_per_second() if ticks_per_s is None else ticks_per_s
     wall = after.at - before.at
     if wall <= 0:
         return 0.0

@@ -42,7 +42,6 @@ from ..report import figures
 from ..workloads.prompts import Vocabulary
 from ..workloads.workload import Workload
 from . import machine, store
-from .machine import process_cpu_seconds
 from .virtual import TargetResult
 
 SIM_LISTENING = re.compile(rb" on (http://[^;\s]+);")
@@ -483,7 +482,7 @@ class Session:
         )  # fmt: skip
         agents = Agents(self.workload, transport, schedule, time_scale=scale, progress=progress)
         await fleet.begin()
-        cpu_before = None if proxy is None else process_cpu_seconds(proxy.pid)
+        cpu_before = None if proxy is None else machine.process_cpu_seconds(proxy.pid)
         machine_before = machine.sample(trio.current_time())
         wall = time.perf_counter()
         try:
@@ -493,7 +492,7 @@ class Session:
             machine_after = machine.sample(trio.current_time())
             cpu = None
             if proxy is not None:
-                after = process_cpu_seconds(proxy.pid)
+                after = machine.process_cpu_seconds(proxy.pid)
                 if after is not None and cpu_before is not None:
                     cpu = after - cpu_before
                 await stop_child(proxy)
@@ -520,13 +519,7 @@ class Session:
                     classes=self.config.program_classes(self.workload),
                 ),
                 **engine_figures,
-                "other_cpu_cores": (
-                    None
-                    if machine_before is None or machine_after is None
-                    else machine.other_cores(
-                        machine_before, machine_after, machine.ticks_per_second()
-                    )
-                ),
+                "other_cpu_cores": machine.other_cores(machine_before, machine_after),
             },
             log=log,
             truth=totals,
