@@ -15,7 +15,12 @@ from thunderproxy.bench.config import BenchConfig
 from thunderproxy.bench.engine import calibrate
 from thunderproxy.bench.engine import model as engine_model
 from thunderproxy.bench.engine.server import counters_of, engine_argv, gauges_of
-from thunderproxy.bench.report.conformance import agreement, agreement_table, agrees
+from thunderproxy.bench.report.conformance import (
+    agreement,
+    agreement_table,
+    agrees,
+    draws_as_means,
+)
 from thunderproxy.bench.workloads.prompts import Conversation, Vocabulary, system_prompt
 from thunderproxy.bench.workloads.workload import StepSpec
 from thunderproxy.errors import ConfigError
@@ -208,6 +213,55 @@ def test_other_work_beside_the_engine_is_shown_and_named_not_judged() -> None:
     # Not measured (not Linux): no row and no note.
     bare = [summary("engine", "default", 9.6, 0.26, 16), *runs[1:]]
     assert "default other processes' CPU (cores)" not in {r.figure for r in agreement(bare)}
+
+
+def test_the_simulators_side_is_the_mean_of_its_timing_draws() -> None:
+    config = BenchConfig(engine="vllm-cpu", conformance=True)
+    draws = config.timing_draws()
+    assert len(draws) == 9
+    assert draws[0] == pytest.approx(0.90)
+    assert draws[4] == 1.0
+    assert draws[-1] == pytest.approx(1.10)
+    assert BenchConfig(engine="vllm-cpu", conformance=True, sim_draws=1).timing_draws() == (1.0,)
+    # Each draw scales whatever timing the simulator had, the user's own scale included.
+    slower = BenchConfig(engine="vllm-cpu", conformance=True, sim_settings={"timing_scale": 2.0})
+    assert slower.on_simulator(1.1).sim_settings["timing_scale"] == pytest.approx(2.2)
+    assert "timing_scale" not in config.on_simulator().sim_settings
+    with pytest.raises(ConfigError, match="add --conformance"):
+        BenchConfig(engine="vllm-cpu", sim_draws=3)
+    with pytest.raises(ConfigError, match="--sim-draws must be >= 1"):
+        BenchConfig(engine="vllm-cpu", conformance=True, sim_draws=0)
+    # The engine against three draws: the simulator's figures are their means.
+    runs = [summary("engine", "default", 18.0, 0.60, 2), summary("engine", "tr", 22.0, 0.78, 1)]
+    for scale, steps, hit in ((0.9, 20.0, 0.70), (1.0, 18.0, 0.66), (1.1, 25.0, 0.80)):
+        for target, factor in (("default", 1.0), ("tr", 1.25)):
+            runs.append({**summary("sim", target, steps * factor / 1.25, hit, 1),
+                         "timing_scale": scale, "target": target})  # fmt: skip
+    figures = {r.figure: r for r in agreement(runs)}
+    assert figures["tr steps/min"].sim == pytest.approx(21.0)
+    assert figures["tr prefix hit rate"].sim == pytest.approx(0.72)
+    assert "simulator (mean of 3 draws)" in agreement_table(runs)
+    # In the side-by-side table, one column for each target's draws: their mean.
+    columns = draws_as_means(runs)
+    assert [c.get("label") for c in columns[2:]] == [
+        "default (sim, mean of 3: x0.9-1.1)", "tr (sim, mean of 3: x0.9-1.1)",
+    ]  # fmt: skip
+    assert columns[3]["steps_per_min"] == pytest.approx(21.0)
+    assert columns[:2] == runs[:2]
+
+
+def test_a_timing_scale_slows_every_constant_of_the_step_formula() -> None:
+    base = SimConfig(profile="vllm-cpu-tiny").timing
+    slow = SimConfig(profile="vllm-cpu-tiny", timing_scale=1.1).timing
+    for name in ("t_fixed_ms", "t_w_ms", "c_tok_us", "c_kv_ns", "c_attn_ns", "c_prep_us"):
+        assert getattr(slow, name) == pytest.approx(getattr(base, name) * 1.1)
+    assert (slow.n0, slow.kv_capacity_tokens) == (base.n0, base.kv_capacity_tokens)
+    # On top of a constant set on its own.
+    assert (
+        SimConfig(profile="vllm-cpu-tiny", c_kv_ns=100.0, timing_scale=2.0).timing.c_kv_ns == 200.0
+    )
+    with pytest.raises(ValueError, match="timing_scale must be > 0"):
+        SimConfig(timing_scale=0)
 
 
 def test_only_real_time_runs_repeat() -> None:

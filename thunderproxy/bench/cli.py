@@ -16,6 +16,8 @@ from .agents.agent import ungrouped_errors
 from .config import (
     DEFAULT_PROFILE,
     ENGINES,
+    SIM_DRAWS,
+    SIM_SPREAD,
     BenchConfig,
     DemoConfig,
     parse_int_list,
@@ -126,6 +128,11 @@ def _progress_factory(enabled: bool | None) -> Any:
               help="Real time: replay every target this many times, in rounds (each target "
               "once a round). Under KV pressure one engine run is one draw of which prompts "
               "it evicts; --conformance compares the mean of the runs.")  # fmt: skip
+@click.option("--sim-draws", type=click.IntRange(min=1), default=None,
+              help="With --conformance: the simulator's side is the mean of this many "
+              f"virtual replays, their timing scaled evenly over 1 +/- {SIM_SPREAD} "
+              f"(default {SIM_DRAWS}; 1: the profile as fitted, once). Under KV pressure one "
+              "replay is one draw, on the engine and on the simulator alike.")  # fmt: skip
 @click.option("--calibrate", "calibrate_path", default=None, metavar="FILE",
               help="With --engine or --engine-url: measure the engine's prefill and decode "
               "step times instead of replaying, fit the simulator's timing formula to them "
@@ -255,6 +262,7 @@ def bench_command(
     engine_url: str | None,
     conformance: bool,
     repeat: int,
+    sim_draws: int | None,
     calibrate_path: str | None,
     seed: int,
     arrivals: str | None,
@@ -345,6 +353,7 @@ def bench_command(
             engine_url=engine_url,
             conformance=conformance,
             repeat=repeat,
+            sim_draws=sim_draws,
         )
         if calibrate_path:
             _calibrate(config, calibrate_path)

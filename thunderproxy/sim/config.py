@@ -48,6 +48,19 @@ class TimingProfile:
     # head dim x dtype bytes); sizes the CPU tier and its transfers.
     kv_bytes_per_token: int = 131_072
 
+    def scaled(self, factor: float) -> TimingProfile:
+        """The same engine ``factor`` times slower (every time constant times it; the
+        compute-bound threshold ``n0`` and the sizes unchanged)."""
+        return dataclasses.replace(
+            self,
+            t_fixed_ms=self.t_fixed_ms * factor,
+            t_w_ms=self.t_w_ms * factor,
+            c_tok_us=self.c_tok_us * factor,
+            c_kv_ns=self.c_kv_ns * factor,
+            c_attn_ns=self.c_attn_ns * factor,
+            c_prep_us=self.c_prep_us * factor,
+        )
+
 
 def _profile(
     name: str,
@@ -255,6 +268,11 @@ class SimConfig:
         "Frontend delay per prompt token before the engine sees a request (µs).",
         group="timing",
     )
+    timing_scale: float = _knob(
+        1.0,
+        "Every step-time constant times this (1.05: an engine 5% slower than its profile).",
+        group="timing",
+    )
     time_scale: float = _knob(
         1.0, "Wall seconds per simulated second (0.1 runs ten times faster).", group="timing"
     )
@@ -309,6 +327,8 @@ class SimConfig:
             raise ValueError(f"profile {self.profile!r} is not one of {tuple(PROFILES)}")
         if self.time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if self.timing_scale <= 0:
+            raise ValueError(f"timing_scale must be > 0, got {self.timing_scale}")
         for kind in self.fault_types():
             if kind not in FAULT_TYPES:
                 raise ValueError(f"fail type {kind!r} is not one of {FAULT_TYPES}")
@@ -338,7 +358,8 @@ class SimConfig:
             )
             if getattr(self, name) is not None
         }
-        return dataclasses.replace(base, **overrides) if overrides else base
+        timing = dataclasses.replace(base, **overrides) if overrides else base
+        return timing.scaled(self.timing_scale) if self.timing_scale != 1.0 else timing
 
     def resolved_block_size(self) -> int:
         return self.block_size if self.block_size is not None else PROFILES[self.profile].block_size

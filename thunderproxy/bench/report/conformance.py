@@ -7,7 +7,9 @@ by the scheduling suite's rule, or not) must be the same on both sides, since th
 scheduling change is judged by. With ``--repeat`` the engine's side is the mean of its runs
 (tr/default the ratio of the means): one run under KV pressure is one draw of which prompts
 the engine evicts, and its tr/default has moved by more than the ratio's bound between two
-runs of the same replay, while the simulator's virtual time repeats itself to the digit.
+runs of the same replay. The simulator's virtual time repeats itself to the digit, but a
+replay under pressure turns on each call's timing there too, so its side is the mean of
+replays with its timing scaled a little either way (``--sim-draws``, ``config.SIM_DRAWS``).
 """
 
 from __future__ import annotations
@@ -84,10 +86,42 @@ def _mean(summaries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     return mean
 
 
-def engine_runs(summaries: Sequence[Mapping[str, Any]]) -> int:
-    """How many runs of each target the engine's side averages (the fewest of any target)."""
-    engine = _by_side(summaries)["engine"].values()
-    return min((int(s.get("runs", 1)) for s in engine), default=0)
+def runs_of(summaries: Sequence[Mapping[str, Any]], side: str = "engine") -> int:
+    """How many runs of each target a side averages (the fewest of any target)."""
+    return min((int(s.get("runs", 1)) for s in _by_side(summaries)[side].values()), default=0)
+
+
+def draws_as_means(summaries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The summaries with each target's simulator draws (``timing_scale`` set) replaced by one,
+    every numeric figure their mean, where the first of them was: the side-by-side table's
+    columns."""
+    draws: dict[tuple[str, Any], list[Mapping[str, Any]]] = {}
+    for summary in summaries:
+        if summary.get("timing_scale") is not None:
+            draws.setdefault((str(summary["target"]), summary.get("concurrency")), []).append(
+                summary
+            )
+    out: list[Mapping[str, Any]] = []
+    for summary in summaries:
+        key = (str(summary["target"]), summary.get("concurrency"))
+        if summary.get("timing_scale") is None:
+            out.append(summary)
+        elif summary is draws[key][0]:
+            out.append(_mean_of_draws(draws[key]))
+    return out
+
+
+def _mean_of_draws(draws: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    mean = dict(draws[0])
+    for key, value in draws[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            values = [float(d[key]) for d in draws if isinstance(d.get(key), int | float)]
+            mean[key] = sum(values) / len(values)
+    scales = [float(d["timing_scale"]) for d in draws]
+    mean["label"] = (
+        f"{draws[0]['target']} (sim, mean of {len(draws)}: x{min(scales):g}-{max(scales):g})"
+    )
+    return mean
 
 
 def _num(summary: Mapping[str, Any] | None, key: str) -> float | None:
@@ -152,9 +186,10 @@ def agrees(rows: Sequence[Row]) -> bool:
 
 def agreement_table(summaries: Sequence[Mapping[str, Any]]) -> str:
     rows = agreement(summaries)
-    runs = engine_runs(summaries)
+    runs, draws = runs_of(summaries), runs_of(summaries, "sim")
     engine = f"engine (mean of {runs} runs)" if runs > 1 else "engine"
-    table = [["engine vs simulator", engine, "simulator", "agrees"]]
+    sim = f"simulator (mean of {draws} draws)" if draws > 1 else "simulator"
+    table = [["engine vs simulator", engine, sim, "agrees"]]
     table += [row.cells() for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(4)]
     lines = []

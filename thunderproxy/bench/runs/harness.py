@@ -22,6 +22,7 @@ from ..agents.agent import ungrouped_errors
 from ..config import BenchConfig, offloads
 from ..engine.server import Echo
 from ..report import figures
+from ..report.conformance import draws_as_means
 from ..workloads.traces import load_workload
 from ..workloads.workload import Workload
 from . import realtime, store, virtual
@@ -98,7 +99,8 @@ class BenchReport:
             at = keys.index("ttft_p99_s") + 1
             keys = (*keys[:at], *(k for k, _, _ in figures.KEYS if k.startswith(figures.CLASSES)),
                     *keys[at:])  # fmt: skip
-        summaries = self.summaries()
+        # --conformance's simulator draws as one column each: their mean.
+        summaries = draws_as_means(self.summaries())
         if any(s.get("other_cpu_cores") is not None for s in summaries):
             keys = (*keys, "other_cpu_cores")  # real time: how quiet the machine was
         return figures.table(summaries, keys=keys)
@@ -181,10 +183,15 @@ def run_bench(
         label = target if len(concurrencies) == 1 else f"{target}@{concurrency}"
         return progress(label, workload)
 
-    def on_virtual_clock(config: BenchConfig, side: str = "") -> None:
+    def on_virtual_clock(
+        config: BenchConfig, side: str = "", timing_scale: float | None = None
+    ) -> None:
         for concurrency in concurrencies:
             for target in config.targets:
-                shown = bar(target if not side else f"{target} ({side})", concurrency)
+                label = target if not side else f"{target} ({side})"
+                if timing_scale is not None:
+                    label = f"{target} ({side} x{timing_scale:g})"
+                shown = bar(label, concurrency)
                 result = _timed(
                     partial(
                         virtual.run, workload, config, target, concurrency=concurrency,
@@ -192,6 +199,7 @@ def run_bench(
                     )
                 )  # fmt: skip
                 result.side = side
+                result.timing_scale = timing_scale
                 if shown is not None:
                     shown.close(result.log)
                 finished(result)
@@ -209,8 +217,12 @@ def run_bench(
             trio.run(_real_time, workload, config, concurrencies, db, bar, on_engine, echo)
         if config.conformance:
             # The same targets on the simulator: virtual time, the engine's settings and the
-            # timing profile fitted to it.
-            on_virtual_clock(config.on_simulator(), "sim")
+            # timing profile fitted to it, once per timing draw (config.SIM_DRAWS).
+            draws = config.timing_draws()
+            for scale in draws:
+                on_virtual_clock(
+                    config.on_simulator(scale), "sim", scale if len(draws) > 1 else None
+                )
     if db and report.bench_run_id is not None:
         store.finish_bench_run(db, report.bench_run_id)
     return report

@@ -65,6 +65,8 @@ class TargetResult:
     side: str = ""
     #: Which of ``--repeat``'s rounds it is (0: the only one).
     run: int = 0
+    #: One of ``--conformance``'s simulator draws: its timing scale (None: not a draw).
+    timing_scale: float | None = None
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -72,6 +74,7 @@ class TargetResult:
             "label": self.label,
             "side": self.side,
             "run": self.run,
+            "timing_scale": self.timing_scale,
             "concurrency": self.concurrency,
             "kv_tokens": self.kv_tokens,
             "clock": self.clock,
@@ -82,7 +85,10 @@ class TargetResult:
 
     @property
     def label(self) -> str:
-        label = f"{self.target} ({self.side})" if self.side else self.target
+        side = self.side
+        if self.timing_scale is not None:
+            side = f"{side} x{self.timing_scale:g}"
+        label = f"{self.target} ({side})" if side else self.target
         return f"{label} #{self.run}" if self.run else label
 
 
