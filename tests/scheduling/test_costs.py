@@ -78,6 +78,63 @@ def test_the_prefill_rate_is_the_engines_speed_not_its_queue() -> None:
     assert ledger.prefill_s_per_token == RATE
 
 
+def test_recomputing_a_history_costs_per_token_what_prefills_of_its_length_did() -> None:
+    # vLLM's CPU build with a 4-layer model: attention makes long prefills dearer per token.
+    ledger = HoldLedger()
+    assert ledger.recompute_s_per_token(10_000) == 0.0  # nothing seen: nothing to price
+    for tokens, rate in ((2_000, 100e-6), (4_000, 150e-6), (9_000, 250e-6)):
+        ledger = ledger.observe_prefill(tokens, tokens * rate)
+    assert ledger.prefill_s_per_token == pytest.approx(100e-6)  # the fastest: the short one
+    assert ledger.recompute_s_per_token(1_500) == pytest.approx(100e-6)
+    # Lengths go by doublings from 1K: 2K to 4K is the 4,000-token prefill's, and 4K to 8K,
+    # where none was seen, the next shorter one's.
+    assert ledger.recompute_s_per_token(3_000) == pytest.approx(150e-6)
+    assert ledger.recompute_s_per_token(5_000) == pytest.approx(150e-6)
+    assert ledger.recompute_s_per_token(14_000) == pytest.approx(250e-6)
+    # Longer than any prefill seen: the longest length's rate, not the fastest.
+    assert ledger.recompute_s_per_token(100_000) == pytest.approx(250e-6)
+    # Per token, a longer history never costs less than a shorter one.
+    ledger = ledger.observe_prefill(40_000, 40_000 * 120e-6)
+    assert ledger.recompute_s_per_token(40_000) == pytest.approx(250e-6)
+
+
+def test_a_prefill_after_a_long_cached_context_prices_no_length() -> None:
+    # 2,000 new tokens after 20,000 cached ones took 2 s attending to the context: what a
+    # short prompt costs there, not what recomputing 2,000 tokens from scratch does.
+    ledger = HoldLedger().observe_prefill(2_000, 0.2)
+    ledger = ledger.observe_prefill(2_000, 2.0, cached_tokens=20_000)
+    assert ledger.recompute_s_per_token(2_000) == pytest.approx(100e-6)
+    ledger = HoldLedger().observe_prefill(2_000, 2.0, cached_tokens=20_000)
+    assert ledger.prefill_by_length == (None,) * costs.PREFILL_LENGTHS
+    assert ledger.prefill_s_per_token == pytest.approx(1e-3)  # still the fastest seen
+
+
+def test_one_slow_prefill_cannot_price_a_length_on_its_own() -> None:
+    # A 16K prefill that also waited a minute in the engine's queue: at most twice the rate
+    # of the next shorter length seen (the cost per token at worst grows with the length).
+    ledger = HoldLedger().observe_prefill(8_000, 8_000 * 100e-6)
+    ledger = ledger.observe_prefill(16_000, 60.0)
+    assert ledger.recompute_s_per_token(16_000) == pytest.approx(200e-6)
+    # And a queue does not stick: a faster prefill of that length lowers it.
+    ledger = ledger.observe_prefill(16_000, 16_000 * 150e-6)
+    assert ledger.recompute_s_per_token(16_000) == pytest.approx(150e-6)
+
+
+@pytest.mark.parametrize(("long_prefills", "holds"), [(False, False), (True, True)])
+def test_kept_history_is_priced_at_its_own_length(long_prefills: bool, holds: bool) -> None:
+    # Every call waits 120 s and keeps 14K of history, 30 calls sharing the engine. Priced at
+    # the fastest prefill (100 µs a token, short prompts), keeping it is worth 2 · 14,000 ·
+    # 100 µs · 31 = 86.8 s: less than the wait, holding stops. Prefills of 8K and more were
+    # seen at 250 µs a token: it is worth 217 s, and holding pays.
+    ledger = HoldLedger().observe_prefill(2_000, 2_000 * 100e-6)
+    if long_prefills:
+        ledger = ledger.observe_prefill(4_000, 4_000 * 150e-6)
+        ledger = ledger.observe_prefill(9_000, 9_000 * 250e-6)
+    ledger, _ = feed(ledger, [Call(120.0, 14_000, 0, in_flight=30)] * (2 * costs.MIN_CALLS))
+    assert ledger.holding is holds
+    assert ledger.inputs()["gain_s"] == pytest.approx(217.0 - 120.0 if holds else 86.8 - 120.0)
+
+
 def test_a_stream_of_one_call_programs_ends_with_holding_off_and_keeps_it_off() -> None:
     # Chat sessions (the Mooncake trace): three quarters are one call; the others come back
     # minutes later, after the horizon (no history holding could keep: reuse 0), or, some,

@@ -614,7 +614,7 @@ class Scheduler:
         first_token_s = None if first_token_at is None else first_token_at - lease.sent_at
         uncached = (usage.prompt_tokens or 0) - (usage.cached_tokens or 0)
         if first_token_s is not None and usage.prompt_tokens:
-            ledger = ledger.observe_prefill(uncached, first_token_s)
+            ledger = ledger.observe_prefill(uncached, first_token_s, usage.cached_tokens or 0)
         # A call let through only because too few programs had come back (the ledger itself
         # held: views.ViewSource.holding) is not what not holding costs: most such calls are
         # first calls, which cost nothing either way. Learnt as calls without holding, the 64
