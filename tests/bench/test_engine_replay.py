@@ -1,6 +1,10 @@
 """One small agentic replay on the real engine (vLLM's CPU build) and on the simulator with
 the profile fitted to it, default and tr each; the two must agree within the bounds of
-``bench/report/conformance.py``.
+``bench/report/conformance.py``. The engine replays each target twice and is judged on the
+mean of its runs, as the simulator on the mean of its timing draws: one run under KV pressure
+is one draw of which prompts the engine evicts, and a single run's default hit rate (0.592,
+against 0.639 to 0.657 over the simulator's draws) has fallen outside the 0.05 bound where the
+same replay had passed.
 
 Slow (the engine installs once, then starts in a minute or two and replays in real time), so
 marked ``engine``: run with ``pytest -m engine tests/bench/test_engine_replay.py -s``. The
@@ -26,7 +30,7 @@ def test_a_small_replay_on_the_engine_agrees_with_the_simulator(tmp_path: Path) 
     config = BenchConfig(
         trace="thunderagent", targets=("default", "tr"), programs=6, max_steps=6,
         concurrency=6, kv_tokens=24_576, seed=0, engine="vllm-cpu", conformance=True,
-        profile="vllm-cpu-tiny",
+        profile="vllm-cpu-tiny", repeat=2,
     )  # fmt: skip
     report = run_bench(config, db=str(tmp_path / "engine.db"))
     summaries = report.summaries()

@@ -104,8 +104,9 @@ def parse_int_list(value: str | None, *, flag: str) -> tuple[int, ...]:
 #: ``--conformance`` compares the engine with the mean of this many simulator replays, their
 #: timing scaled evenly over 1 ± ``SIM_SPREAD``. Under KV pressure a replay turns on each
 #: call's timing: on the demo's workload, every timing constant scaled by 0.99 or 1.00 put tr
-#: at 14.5 or 12.8 steps/min (the hold ledger stopped holding in one and not the other), and
-#: SWE-agent seed 2's tr hit rate went from 0.633 to 0.786 over 0.90 to 1.10, about the
+#: at 14.5 or 12.8 steps/min (its hold ledger, as it priced recompute then, stopped holding
+#: in the second), and
+#: SWE-agent seed 2's tr hit rate went from 0.633 to 0.790 over 0.90 to 1.10, about the
 #: engine's own spread over three runs of it (0.633 to 0.828). One deterministic replay is one
 #: draw; the engine's runs are others. The spread is about the profile's own fit (its prefill
 #: measurements of 1K tokens and more sit within 14% of the formula, its decode measurements
