@@ -338,14 +338,16 @@ class HoldLedger:
     def recompute_s_per_token(self, tokens: int) -> float:
         """Seconds per token to prefill ``tokens`` of history again (0 before any prefill was
         seen). Attention makes a long prefill dearer per token than a short one: on vLLM's CPU
-        build with a 4-layer model, 90 µs per token at 1K tokens, 274 at 8K and 511 at 16K;
-        priced at the fastest rate seen (from the shortest prompts), a 14K history recomputed
-        looked a quarter of its cost, and on the demo's workload the ledger stopped holding
-        1,354 s in where holding paid (12.8 steps/min against 14.6 holding throughout). The
-        rate is the fastest seen at that length, at least that of any shorter length (the cost
-        per token does not fall as prompts grow) and at most twice that of the next shorter
-        (at worst it grows with the length: quadratic work), so that one slow observation, a
-        call that also waited in the engine's queue, cannot price a length on its own."""
+        build with a 4-layer model, 90 µs per token at 1K tokens, 274 at 8K and 511 at 16K.
+        Priced at the fastest rate seen (119.5 µs, from short prompts), the 14K histories of
+        the demo's workload replayed on that engine's profile looked a third of what the
+        prefills of 8K to 16K tokens took there (389 µs a token), and the ledger stopped
+        holding 1,354 s in where holding paid (12.8 steps/min against 14.6 holding
+        throughout). The rate is the fastest seen at that length, at least that of any shorter
+        length (the cost per token does not fall as prompts grow) and at most twice that of
+        the next shorter length seen (at worst it grows with the length: quadratic work), so
+        that one slow observation, a call that also waited in the engine's queue, cannot price
+        a length on its own."""
         rate = self.prefill_s_per_token
         if rate is None:
             return 0.0
