@@ -6,6 +6,8 @@ Slow (tens of seconds each), so marked ``slow``: run with ``pytest -m slow tests
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -199,3 +201,69 @@ async def test_overhead_rounds_measure_nginx_against_their_own_direct_cells(
         assert relay["proxy_cpu_per_chunk_us"] is not None
     (summary,) = overhead.over_rounds(rows)
     assert summary["rounds"] == 2
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The live child processes of ``pid`` and their command lines, from /proc."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        # Field 4 (the parent's pid) follows the command name, which may hold spaces.
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            out[int(entry.name)] = cmdline
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def test_sigterm_stops_a_real_time_bench_and_every_process_it_started(
+    tmp_path: Path,
+) -> None:
+    # Long enough that the bench is mid-run when the signal comes (calls of seconds each).
+    trace = write_thunderagent(tmp_path / "calls.jsonl", programs=4, steps=20, output=(200, 400))
+    bench = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "thunderproxy", "bench", "--trace", str(trace), "--target", "tr",
+         "--concurrency", "2", "--kv-tokens", "9000", "--time-scale", "1.0",
+         "--db", str(tmp_path / "r.db"), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    output = bytearray()
+
+    async def read() -> None:
+        assert bench.stdout is not None
+        async for chunk in bench.stdout:
+            output.extend(chunk)
+
+    children: dict[int, str] = {}
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            with trio.fail_after(60):
+                while not any(" serve " in c for c in children.values()):
+                    await trio.sleep(0.2)
+                    children = _children(bench.pid)
+            assert any(" sim " in c for c in children.values()), children
+            await trio.sleep(2.0)  # calls under way
+            bench.send_signal(signal.SIGTERM)
+            with trio.fail_after(60):
+                await bench.wait()
+    finally:
+        bench.kill()
+        for pid in [p for p in children if _alive(p)]:  # orphans of a failed stop
+            os.kill(pid, signal.SIGKILL)
+    out = output.decode()
+    assert bench.returncode == 1, out
+    assert "stopped by SIGTERM" in out
+    assert not [pid for pid in children if _alive(pid)], children

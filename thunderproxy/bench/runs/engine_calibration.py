@@ -42,7 +42,7 @@ async def _calibrate(config: BenchConfig, path: Path, command: str, echo: Echo) 
     )  # fmt: skip
     vocabulary = Vocabulary(seed=config.seed)
     with tempfile.TemporaryDirectory(prefix="thunderproxy-calibrate-") as scratch:
-        async with realtime.http_client(64) as client:
+        async with realtime.ended_by_signals(), realtime.http_client(64) as client:
             reached = await realtime.reach_engine(
                 config, sim_config, vocabulary, client=client, scratch=Path(scratch), echo=echo
             )

@@ -247,6 +247,7 @@ async def _real_time(
     with tempfile.TemporaryDirectory(prefix="thunderproxy-bench-") as scratch:
         audit_db = db or str(Path(scratch) / "audit.db")
         async with (
+            realtime.ended_by_signals(),
             realtime.http_client(max(concurrencies)) as client,
             trio.open_nursery() as nursery,
         ):

@@ -18,11 +18,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -554,6 +557,43 @@ async def wait_ready(client: httpx.AsyncClient, url: str) -> None:
 
 def _constant(url: str) -> Callable[[str], str]:
     return lambda _program_id: url
+
+
+#: Signals that end a real-time run as Ctrl-C does (``ended_by_signals``).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@asynccontextmanager
+async def ended_by_signals() -> AsyncIterator[None]:
+    """SIGTERM and SIGHUP end the run inside as Ctrl-C does: its work is cancelled, the
+    processes it started are stopped by their shielded cleanups, and a BenchError names the
+    signal. Left to their default, they ended the bench at once: ``timeout`` or a closed
+    terminal left a vLLM engine running (it has a session of its own, so that a Ctrl-C at the
+    terminal reaches the bench alone, which then stops it once) and the proxies and simulators
+    orphaned. Signals can be received on the main thread only; elsewhere they keep their
+    default."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_raise_on_stop_signal)
+        try:
+            yield
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def _raise_on_stop_signal(
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        task_status.started()
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            raise BenchError(
+                f"stopped by {name}: the run was cancelled and every process it started "
+                "(engine, proxies, simulators) stopped"
+            )
 
 
 def http_client(concurrency: int) -> httpx.AsyncClient:
