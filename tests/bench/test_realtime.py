@@ -21,6 +21,7 @@ from tests.bench.synthetic import write_thunderagent
 from tests.conftest import apt_install
 from thunderproxy.bench.config import BenchConfig
 from thunderproxy.bench.relay import overhead
+from thunderproxy.bench.runs import machine
 from thunderproxy.bench.runs.harness import run_bench
 
 pytestmark = pytest.mark.slow
@@ -205,27 +206,22 @@ async def test_overhead_rounds_measure_nginx_against_their_own_direct_cells(
 
 def _children(pid: int) -> dict[int, str]:
     """The live child processes of ``pid`` and their command lines, from /proc."""
+    stats = machine.read_stats(name for name in os.listdir("/proc") if name.isdigit())
     out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        # Field 4 (the parent's pid) follows the command name, which may hold spaces.
-        if int(stat.rpartition(")")[2].split()[1]) == pid:
-            out[int(entry.name)] = cmdline
+    for child, line in stats.items():
+        if int(machine.stat_fields(line)[machine.PPID]) == pid:
+            try:
+                out[child] = (
+                    Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                )
+            except OSError:
+                continue  # gone meanwhile
     return out
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    stat = machine.read_stats([str(pid)]).get(pid)
+    return stat is not None and machine.stat_fields(stat)[machine.STATE] != "Z"
 
 
 async def test_sigterm_stops_a_real_time_bench_and_every_process_it_started(

@@ -51,10 +51,6 @@ def _fmt(value: float | None) -> str:
     return f"{value:.3f}" if abs(value) < 1 else f"{value:.2f}"
 
 
-#: The figures compared, averaged over an engine's repeated runs.
-COMPARED = ("steps_per_min", "prefix_hit_rate", "preemptions", "program_time_p99_s")
-#: Beside them, averaged too: how much CPU other processes took while the engine ran.
-AVERAGED = (*COMPARED, "other_cpu_cores")
 #: Other processes' CPU (cores) beside an engine arm past which its timings are the machine's
 #: as much as the engine's: the CPU build computes on one core, and measured on the demo's
 #: workload it ran at 1.00 of its profile's speed alone, 0.93 beside about two virtual
@@ -77,13 +73,19 @@ def _by_side(summaries: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Mapp
 
 
 def _mean(summaries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """Several runs (or draws) of one target as one summary: every numeric figure their mean,
+    over the runs that measured it, the rest the first run's, and ``runs`` how many."""
     if len(summaries) == 1:
         return summaries[0]
-    mean: dict[str, Any] = {"runs": len(summaries)}
-    for key in AVERAGED:
-        values = [float(s[key]) for s in summaries if s.get(key) is not None]
-        mean[key] = sum(values) / len(values) if values else None
+    mean: dict[str, Any] = {**summaries[0], "runs": len(summaries)}
+    for key in {key for s in summaries for key, value in s.items() if _is_number(value)}:
+        values = [float(s[key]) for s in summaries if _is_number(s.get(key))]
+        mean[key] = sum(values) / len(values)
     return mean
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def runs_of(summaries: Sequence[Mapping[str, Any]], side: str = "engine") -> int:
@@ -107,21 +109,13 @@ def draws_as_means(summaries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, 
         if summary.get("timing_scale") is None:
             out.append(summary)
         elif summary is draws[key][0]:
-            out.append(_mean_of_draws(draws[key]))
+            scales = [float(d["timing_scale"]) for d in draws[key]]
+            out.append({
+                **_mean(draws[key]),
+                "label": f"{key[0]} (sim, mean of {len(scales)}: "
+                f"x{min(scales):g}-{max(scales):g})",
+            })  # fmt: skip
     return out
-
-
-def _mean_of_draws(draws: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
-    mean = dict(draws[0])
-    for key, value in draws[0].items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            values = [float(d[key]) for d in draws if isinstance(d.get(key), int | float)]
-            mean[key] = sum(values) / len(values)
-    scales = [float(d["timing_scale"]) for d in draws]
-    mean["label"] = (
-        f"{draws[0]['target']} (sim, mean of {len(draws)}: x{min(scales):g}-{max(scales):g})"
-    )
-    return mean
 
 
 def _num(summary: Mapping[str, Any] | None, key: str) -> float | None:

@@ -188,10 +188,7 @@ def run_bench(
     ) -> None:
         for concurrency in concurrencies:
             for target in config.targets:
-                label = target if not side else f"{target} ({side})"
-                if timing_scale is not None:
-                    label = f"{target} ({side} x{timing_scale:g})"
-                shown = bar(label, concurrency)
+                shown = bar(virtual.result_label(target, side, timing_scale), concurrency)
                 result = _timed(
                     partial(
                         virtual.run, workload, config, target, concurrency=concurrency,

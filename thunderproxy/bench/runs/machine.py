@@ -17,8 +17,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Fields of ``/proc/<pid>/stat`` after the command name, counted from 0 (state is 0).
-_PPID, _UTIME, _STIME, _CUTIME, _CSTIME = 1, 11, 12, 13, 14
+#: Fields of ``/proc/<pid>/stat`` after the command name (``stat_fields``), counted from 0.
+STATE, PPID = 0, 1
+_UTIME, _STIME, _CUTIME, _CSTIME = 11, 12, 13, 14
 #: ``/proc/stat``'s ``cpu`` line: user nice system idle iowait irq softirq steal (guest is
 #: already inside user). Idle and iowait are the time no process ran.
 _IDLE_COLUMNS = (3, 4)
@@ -26,7 +27,7 @@ _IDLE_COLUMNS = (3, 4)
 
 def cpu_seconds_of(stat: str, ticks_per_s: int) -> float:
     """User + system CPU seconds from a /proc/<pid>/stat line (pure)."""
-    fields = _fields(stat)
+    fields = stat_fields(stat)
     return (int(fields[_UTIME]) + int(fields[_STIME])) / ticks_per_s
 
 
@@ -38,8 +39,9 @@ def process_cpu_seconds(pid: int) -> float | None:
         return None  # not Linux, or the process is gone
 
 
-def _fields(stat: str) -> list[str]:
-    # The command name (field 2) may hold spaces or parentheses: count from the last ")".
+def stat_fields(stat: str) -> list[str]:
+    """The fields of a /proc/<pid>/stat line after the command name (pure): that name may
+    hold spaces or parentheses, so they are counted from the last ")"."""
     return stat[stat.rindex(")") + 2 :].split()
 
 
@@ -59,8 +61,8 @@ def tree_ticks(stats: Mapping[int, str], root: int) -> int:
     parsed: dict[int, list[str]] = {}
     for pid, line in stats.items():
         try:
-            fields = _fields(line)
-            children.setdefault(int(fields[_PPID]), []).append(pid)
+            fields = stat_fields(line)
+            children.setdefault(int(fields[PPID]), []).append(pid)
         except (ValueError, IndexError):
             continue  # a process that exited while it was read
         parsed[pid] = fields
@@ -99,7 +101,8 @@ def other_cores(
     return max(0.0, other / ticks_per_s / wall)
 
 
-def _read_stats(pids: Iterable[str]) -> dict[int, str]:
+def read_stats(pids: Iterable[str]) -> dict[int, str]:
+    """Each of ``pids``' /proc stat line (those gone meanwhile left out)."""
     stats = {}
     for name in pids:
         try:
@@ -120,7 +123,7 @@ def sample(at: float, root: int | None = None) -> CpuSample | None:
         pids = [name for name in os.listdir("/proc") if name.isdigit()]
     except (OSError, ValueError):
         return None
-    tree = tree_ticks(_read_stats(pids), os.getpid() if root is None else root)
+    tree = tree_ticks(read_stats(pids), os.getpid() if root is None else root)
     return CpuSample(at, machine, tree)
 
 

@@ -85,11 +85,18 @@ class TargetResult:
 
     @property
     def label(self) -> str:
-        side = self.side
-        if self.timing_scale is not None:
-            side = f"{side} x{self.timing_scale:g}"
-        label = f"{self.target} ({side})" if side else self.target
-        return f"{label} #{self.run}" if self.run else label
+        return result_label(self.target, self.side, self.timing_scale, self.run)
+
+
+def result_label(
+    target: str, side: str = "", timing_scale: float | None = None, run: int = 0
+) -> str:
+    """How a result is named in tables and progress lines: ``tr``, ``tr (engine) #2``,
+    ``tr (sim x0.95)``."""
+    if timing_scale is not None:
+        side = f"{side} x{timing_scale:g}"
+    label = f"{target} ({side})" if side else target
+    return f"{label} #{run}" if run else label
 
 
 def backend_urls(n: int) -> list[str]:
