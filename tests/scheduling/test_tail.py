@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from thunderproxy.scheduling import tr
+from thunderproxy.scheduling.classes import INTERACTIVE
 from thunderproxy.scheduling.tr import Action, BackendView
 
 from . import test_tr
@@ -46,6 +47,28 @@ def test_room_is_made_at_half_the_bound_pausing_the_longest_tool_first() -> None
     ]
     assert decisions[0].detail == {"for": "head", "waited_s": 50.0}
     assert decisions[0].capacity_tokens == 10_000 - 3_000
+
+
+def test_room_for_a_batch_call_is_made_only_from_programs_that_waited_less() -> None:
+    # "slow" has the longest tool, but its calls waited 40 s in all: more than the head's
+    # (10 s before, and half of its 50 s now). Pausing it would move the wait to a program
+    # that has already waited more, and such programs made the tail; "quick" goes instead.
+    head = prog("head", P, 3_000, waiting_since=0.0, paused_since=0.0, steps=3, waited_total_s=10)
+    quick = prog("quick", A, 4_000, acting_since=40.0, tool_s=1.0, waited_total_s=30)
+    slow = prog("slow", A, 4_000, acting_since=45.0, tool_s=120.0, waited_total_s=40)
+    busy = prog("busy", R, 2_000)
+    decisions = tr.enforce(backend(), [head, quick, slow, busy], CFG, now=50.0)
+    assert [(d.action, d.program_id, d.rule) for d in decisions] == [
+        (Action.PAUSE, "quick", "make_room")
+    ]
+    # Where every idle program has waited more, nobody is paused: the head waits for room
+    # that frees itself, or for its bound.
+    waited = replace(quick, waited_total_s=36)
+    assert tr.enforce(backend(), [head, waited, slow, busy], CFG, now=50.0) == []
+    # A person's call takes room from any batch program, however long it has waited.
+    person = replace(head, program_class=INTERACTIVE, waiting_since=49.0)
+    decisions = tr.enforce(backend(), [person, waited, slow, busy], CFG, now=50.0)
+    assert [(d.action, d.program_id) for d in decisions] == [(Action.PAUSE, "slow")]
 
 
 def test_running_calls_are_not_cut_short_to_make_room() -> None:
