@@ -584,7 +584,7 @@ def enforce(
     )
     if rule == "make_room":
         assert head is not None
-        acting = [p for p in acting if gives_way(p, head, now)]
+        acting = [p for p in acting if gives_way(p, head, cfg, now)]
     horizon = keep_horizon(b, cfg)
     for p in acting:
         credit = weight(p, cfg, now, horizon_s=horizon)
@@ -623,22 +623,34 @@ def enforce(
     return decisions
 
 
-def gives_way(p: ProgramView, head: ProgramView, now: float) -> bool:
+#: Until a batch call has waited this share of its bound, room is made for it only from
+#: programs that have waited less in all (``gives_way``); from then on, from any.
+GIVE_WAY_UNTIL = 0.75
+
+
+def gives_way(p: ProgramView, head: ProgramView, cfg: PolicyConfig, now: float) -> bool:
     """Whether the idle program ``p`` may be paused to make room for ``head``'s waiting call:
     for a person's call, any program (``enforce`` takes batch ones first); for a batch call,
     only a program whose calls have waited less in all than ``head``'s have (its earlier
-    calls' waits and half its current one). A time slice moves a wait from the head to the
-    program paused for it, which then waits about as long for its own turn. Taken from
-    whoever's tool was expected to run the longest, it took the same programs again and
-    again, and they made the tail of program times: on the short programs at 80K, the slowest
-    but one waited 78, 45 and 47 s for three of its 12 calls, paused twice for programs that
-    had waited less in all. Over 51 timing draws of the three short cells, tr's p99 program
-    time went from 1.025x default's to 0.96x on average, and its steps/min from 1.06x to
-    1.08x; with the head's whole current wait counted, or none of it, the p99 was 0.995x and
-    0.997x (docs/BENCHMARKS.md, "Whom room is made from")."""
+    calls' waits and half its current one), until the call has waited three quarters of its
+    bound, and then any program.
+
+    A time slice moves a wait from the head to the program paused for it, which then waits
+    about as long for its own turn. Taken from whoever's tool was expected to run the longest,
+    it took the same programs again and again, and they made the tail of program times: on the
+    short programs at 80K, the slowest but one waited 78, 45 and 47 s for three of its 12
+    calls, paused twice for programs that had waited less in all. Near its bound the call
+    takes room from anyone, because at the bound it goes out into a full cache and evicts what
+    the running programs keep: with no such fallback, SWE-agent at 64 agents went from 0.87 of
+    the free-reload bound to 0.82 (calls waited up to 588 s for their bound). Over 51 timing
+    draws of the three short cells, tr's p99 program time went from 1.025x default's to 0.96x
+    on average, and its steps/min from 1.060x to 1.072x (docs/BENCHMARKS.md, "Whom room is
+    made from")."""
     if interactive(head):
         return True
     current = 0.0 if head.waiting_since is None else now - head.waiting_since
+    if current >= GIVE_WAY_UNTIL * bound(head, cfg):
+        return True
     return p.waited_total_s < head.waited_total_s + current / 2
 
 
