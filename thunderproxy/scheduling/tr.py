@@ -648,7 +648,7 @@ def gives_way(p: ProgramView, head: ProgramView, cfg: PolicyConfig, now: float) 
     made from")."""
     if interactive(head):
         return True
-    current = 0.0 if head.waiting_since is None else now - head.waiting_since
+    current = waited(head, now) or 0.0
     if current >= GIVE_WAY_UNTIL * bound(head, cfg):
         return True
     return p.waited_total_s < head.waited_total_s + current / 2
