@@ -65,12 +65,12 @@ def test_room_for_a_batch_call_is_made_only_from_programs_that_waited_less() -> 
     # that frees itself, or for its bound.
     waited = replace(quick, waited_total_s=36)
     assert tr.enforce(backend(), [head, waited, slow, busy], CFG, now=50.0) == []
-    # From three quarters of its bound (100 s here) the call takes room from anyone, the
-    # longest tool first: at the bound it would go out into a full cache all the same.
-    # (Both have waited more than the head's 10 s and half its 74 or 75 s.)
+    # From 0.9 of its bound (100 s here) the call takes room from anyone, the longest tool
+    # first: at the bound it would go out into a full cache all the same. (Both have waited
+    # more than the head's 10 s and half its 89 or 90 s.)
     late = [head, replace(quick, waited_total_s=60), replace(slow, waited_total_s=60), busy]
-    assert tr.enforce(backend(), late, CFG, now=74.0) == []
-    decisions = tr.enforce(backend(), late, CFG, now=75.0)
+    assert tr.enforce(backend(), late, CFG, now=89.0) == []
+    decisions = tr.enforce(backend(), late, CFG, now=90.0)
     assert [(d.action, d.program_id) for d in decisions] == [(Action.PAUSE, "slow")]
     # A person's call takes room from any batch program, however long it has waited.
     person = replace(head, program_class=INTERACTIVE, waiting_since=49.0)

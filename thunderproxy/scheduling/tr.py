@@ -625,15 +625,15 @@ def enforce(
 
 #: Until a batch call has waited this share of its bound, room is made for it only from
 #: programs that have waited less in all (``gives_way``); from then on, from any.
-GIVE_WAY_UNTIL = 0.75
+GIVE_WAY_UNTIL = 0.9
 
 
 def gives_way(p: ProgramView, head: ProgramView, cfg: PolicyConfig, now: float) -> bool:
     """Whether the idle program ``p`` may be paused to make room for ``head``'s waiting call:
     for a person's call, any program (``enforce`` takes batch ones first); for a batch call,
     only a program whose calls have waited less in all than ``head``'s have (its earlier
-    calls' waits and half its current one), until the call has waited three quarters of its
-    bound, and then any program.
+    calls' waits and half its current one), until the call has waited ``GIVE_WAY_UNTIL`` of
+    its bound, and then any program.
 
     A time slice moves a wait from the head to the program paused for it, which then waits
     about as long for its own turn. Taken from whoever's tool was expected to run the longest,
@@ -642,10 +642,13 @@ def gives_way(p: ProgramView, head: ProgramView, cfg: PolicyConfig, now: float) 
     calls, paused twice for programs that had waited less in all. Near its bound the call
     takes room from anyone, because at the bound it goes out into a full cache and evicts what
     the running programs keep: with no such fallback, SWE-agent at 64 agents went from 0.87 of
-    the free-reload bound to 0.82 (calls waited up to 588 s for their bound). Over 51 timing
-    draws of the three short cells, tr's p99 program time went from 1.025x default's to 0.96x
-    on average, and its steps/min from 1.060x to 1.072x (docs/BENCHMARKS.md, "Whom room is
-    made from")."""
+    the free-reload bound to 0.82 (calls waited up to 588 s for their bound). From three
+    quarters of the bound the fallback still fell on programs that had waited more (short-s1's
+    slowest program, 141 s of waits behind it, was paused for a call at 104 s of its 120 s and
+    waited 70 s more); from 0.9, over 51 timing draws of the three short cells, tr's steps/min is
+    1.081x default's (1.072x from 3/4) at the same p99 program time on average (0.957x against
+    0.959x), and SWE-agent reaches 0.956 and 0.875 of the bound at 32 and 64 agents (0.93, 0.86)
+    (docs/BENCHMARKS.md, "Whom room is made from")."""
     if interactive(head):
         return True
     current = waited(head, now) or 0.0
