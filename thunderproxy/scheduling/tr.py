@@ -648,7 +648,8 @@ def gives_way(p: ProgramView, head: ProgramView, cfg: PolicyConfig, now: float) 
     waited 70 s more); from 0.9, over 51 timing draws of the three short cells, tr's steps/min is
     1.081x default's (1.072x from 3/4) at the same p99 program time on average (0.957x against
     0.959x), and SWE-agent reaches 0.956 and 0.875 of the bound at 32 and 64 agents (0.93, 0.86)
-    (docs/BENCHMARKS.md, "Whom room is made from")."""
+    (docs/BENCHMARKS.md, "Whom room is made from" and "From what share of its bound room comes
+    from anyone")."""
     if interactive(head):
         return True
     current = waited(head, now) or 0.0
